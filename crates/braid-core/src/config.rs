@@ -1,0 +1,204 @@
+//! Runtime configuration from `BRAID_*` environment variables.
+//!
+//! Every variable is optional; a value that does not parse is an error naming the variable, never a
+//! silent fallback, because a mistyped tuning knob that is ignored costs hours.
+
+use std::time::Duration;
+
+use crate::Error;
+
+/// Log verbosity (`BRAID_DEBUG`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DebugLevel {
+    /// Errors only (the default).
+    Error,
+    /// `BRAID_DEBUG=warn`.
+    Warn,
+    /// `BRAID_DEBUG=info`.
+    Info,
+    /// `BRAID_DEBUG=debug`.
+    Debug,
+    /// `BRAID_DEBUG=trace`.
+    Trace,
+}
+
+impl DebugLevel {
+    /// The `tracing` filter directive for this level.
+    pub fn directive(self) -> &'static str {
+        match self {
+            DebugLevel::Error => "error",
+            DebugLevel::Warn => "warn",
+            DebugLevel::Info => "info",
+            DebugLevel::Debug => "debug",
+            DebugLevel::Trace => "trace",
+        }
+    }
+}
+
+/// Tunables of a communicator. [`Config::default`] holds the built-in defaults; [`Config::from_env`]
+/// applies the environment on top of them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Deadline of every wait (`BRAID_TIMEOUT_MS`, default 300000).
+    pub timeout: Duration,
+    /// Bytes per transport slot, the pipelining unit (`BRAID_CHUNK_BYTES`, default 131072).
+    pub chunk_bytes: usize,
+    /// Slots per channel, how far a sender may run ahead (`BRAID_SLOTS`, default 8).
+    pub slots: usize,
+    /// How long a wait spins before it blocks, in microseconds (`BRAID_SPIN_US`; default: 20 when there
+    /// are at least as many cores as local ranks, 0 when ranks outnumber cores).
+    pub spin_us: Option<u64>,
+    /// All-reduce algorithm forced by `BRAID_ALGO` (`ring` or `direct`); `None` lets braid choose.
+    pub algo: Option<String>,
+    /// Largest all-reduce (bytes) sent with the one-step direct algorithm when braid chooses
+    /// (`BRAID_DIRECT_MAX_BYTES`, default 16384).
+    pub direct_max_bytes: usize,
+    /// Log verbosity (`BRAID_DEBUG`).
+    pub debug: DebugLevel,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            timeout: Duration::from_millis(300_000),
+            chunk_bytes: 128 * 1024,
+            slots: 8,
+            spin_us: None,
+            algo: None,
+            direct_max_bytes: 16 * 1024,
+            debug: DebugLevel::Error,
+        }
+    }
+}
+
+/// Parses a boolean environment value (`1/0`, `true/false`, `yes/no`, `on/off`).
+pub fn parse_bool(name: &str, value: &str) -> Result<bool, Error> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" | "" => Ok(false),
+        _ => Err(Error::invalid(format!(
+            "{name}={value:?} is not a boolean (use 1 or 0)"
+        ))),
+    }
+}
+
+fn parse_num(name: &str, value: &str, min: u64, max: u64) -> Result<u64, Error> {
+    let v: u64 = value
+        .trim()
+        .parse()
+        .map_err(|_| Error::invalid(format!("{name}={value:?} is not a non-negative integer")))?;
+    if v < min || v > max {
+        return Err(Error::invalid(format!(
+            "{name}={v} is out of range {min}..={max}"
+        )));
+    }
+    Ok(v)
+}
+
+impl Config {
+    /// The defaults overridden by the process environment.
+    pub fn from_env() -> Result<Config, Error> {
+        Config::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// The defaults overridden by `lookup` (a stand-in for the environment, used by tests).
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, Error> {
+        let mut c = Config::default();
+        if let Some(v) = lookup("BRAID_TIMEOUT_MS") {
+            c.timeout = Duration::from_millis(parse_num("BRAID_TIMEOUT_MS", &v, 1, 86_400_000)?);
+        }
+        if let Some(v) = lookup("BRAID_CHUNK_BYTES") {
+            c.chunk_bytes = parse_num("BRAID_CHUNK_BYTES", &v, 64, 64 << 20)? as usize;
+        }
+        if let Some(v) = lookup("BRAID_SLOTS") {
+            c.slots = parse_num("BRAID_SLOTS", &v, 2, 64)? as usize;
+        }
+        if let Some(v) = lookup("BRAID_SPIN_US") {
+            c.spin_us = Some(parse_num("BRAID_SPIN_US", &v, 0, 10_000_000)?);
+        }
+        if let Some(v) = lookup("BRAID_ALGO") {
+            let v = v.trim().to_ascii_lowercase();
+            match v.as_str() {
+                "" => {}
+                "ring" | "direct" => c.algo = Some(v),
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "BRAID_ALGO={v:?} is not an all-reduce algorithm (ring, direct)"
+                    )))
+                }
+            }
+        }
+        if let Some(v) = lookup("BRAID_DIRECT_MAX_BYTES") {
+            c.direct_max_bytes = parse_num("BRAID_DIRECT_MAX_BYTES", &v, 0, 64 << 20)? as usize;
+        }
+        if let Some(v) = lookup("BRAID_DEBUG") {
+            c.debug = match v.trim().to_ascii_lowercase().as_str() {
+                "" | "error" | "off" | "none" => DebugLevel::Error,
+                "warn" => DebugLevel::Warn,
+                "info" => DebugLevel::Info,
+                "debug" => DebugLevel::Debug,
+                "trace" => DebugLevel::Trace,
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "BRAID_DEBUG={v:?} is not a level (warn, info, debug, trace)"
+                    )))
+                }
+            };
+        }
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            pairs
+                .iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        }
+    }
+
+    #[test]
+    fn defaults_without_variables() {
+        assert_eq!(Config::from_lookup(|_| None).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn variables_override_defaults() {
+        let c = Config::from_lookup(env(&[
+            ("BRAID_TIMEOUT_MS", "2500"),
+            ("BRAID_CHUNK_BYTES", "4096"),
+            ("BRAID_SLOTS", "4"),
+            ("BRAID_ALGO", "Direct"),
+            ("BRAID_DEBUG", "info"),
+        ]))
+        .unwrap();
+        assert_eq!(c.timeout, Duration::from_millis(2500));
+        assert_eq!(c.chunk_bytes, 4096);
+        assert_eq!(c.slots, 4);
+        assert_eq!(c.algo.as_deref(), Some("direct"));
+        assert_eq!(c.debug, DebugLevel::Info);
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        for (k, v) in [
+            ("BRAID_TIMEOUT_MS", "soon"),
+            ("BRAID_TIMEOUT_MS", "0"),
+            ("BRAID_CHUNK_BYTES", "8"),
+            ("BRAID_SLOTS", "1"),
+            ("BRAID_ALGO", "butterfly"),
+            ("BRAID_DEBUG", "loud"),
+        ] {
+            let e = Config::from_lookup(env(&[(k, v)])).unwrap_err();
+            assert!(e.is_invalid_argument());
+            assert!(e.to_string().contains(k), "{e}");
+        }
+        assert!(parse_bool("X", "maybe").is_err());
+        assert!(parse_bool("X", "1").unwrap());
+    }
+}

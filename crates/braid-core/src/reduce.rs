@@ -1,0 +1,361 @@
+//! CPU reduce kernels over raw byte buffers.
+//!
+//! Buffers are `&[u8]` because they come from users (any alignment) and from shared-memory slots. Every
+//! kernel takes a fast path when all buffers are aligned for their element type (typed slices, loops the
+//! compiler vectorises, no per-element dispatch: the reduction is a monomorphised closure) and otherwise
+//! goes through small aligned blocks on the stack.
+//!
+//! Partial results live in the accumulator type ([`DType::accumulator`]): f16 and bf16 partials are f32 and
+//! are rounded once, when the result is finalised. Integer arithmetic wraps. `avg` sums and then divides by
+//! the number of contributions in the accumulator type (integer division for integer types).
+//!
+//! The pipeline of a chain of ranks is `to_acc` (first contribution), `combine` (each further one) and
+//! `finalize` (the last one, which also rounds and divides). [`reduce_ordered`] does the same for inputs
+//! that are all at hand. Both orders are fixed, so every rank that runs them gets bit-identical results.
+
+use bytemuck::{Pod, Zeroable};
+use half::{bf16, f16};
+
+use crate::{DType, ReduceOp};
+
+/// A source operand: a buffer, or the destination's current contents (for in-place operation).
+#[derive(Clone, Copy, Debug)]
+pub enum Src<'a> {
+    /// Read from this buffer.
+    Buf(&'a [u8]),
+    /// Read the destination before it is overwritten.
+    Dst,
+}
+
+const BLOCK: usize = 512;
+
+/// Arithmetic of an accumulator type.
+trait Acc: Pod + PartialOrd {
+    fn add(self, o: Self) -> Self;
+    fn mul(self, o: Self) -> Self;
+    fn min(self, o: Self) -> Self;
+    fn max(self, o: Self) -> Self;
+    fn div_n(self, n: usize) -> Self;
+}
+
+/// A stored element type and its accumulator.
+trait Elem: Pod {
+    type A: Acc;
+    fn load(self) -> Self::A;
+    fn store(a: Self::A) -> Self;
+}
+
+macro_rules! int_acc {
+    ($($t:ty),*) => {$(
+        impl Acc for $t {
+            #[inline(always)] fn add(self, o: Self) -> Self { self.wrapping_add(o) }
+            #[inline(always)] fn mul(self, o: Self) -> Self { self.wrapping_mul(o) }
+            #[inline(always)] fn min(self, o: Self) -> Self { Ord::min(self, o) }
+            #[inline(always)] fn max(self, o: Self) -> Self { Ord::max(self, o) }
+            #[inline(always)] fn div_n(self, n: usize) -> Self { (self as i128 / n as i128) as $t }
+        }
+        impl Elem for $t {
+            type A = $t;
+            #[inline(always)] fn load(self) -> $t { self }
+            #[inline(always)] fn store(a: $t) -> $t { a }
+        }
+    )*};
+}
+int_acc!(i8, u8, i32, u32, i64, u64);
+
+macro_rules! float_acc {
+    ($($t:ty),*) => {$(
+        impl Acc for $t {
+            #[inline(always)] fn add(self, o: Self) -> Self { self + o }
+            #[inline(always)] fn mul(self, o: Self) -> Self { self * o }
+            #[inline(always)] fn min(self, o: Self) -> Self { if o < self { o } else { self } }
+            #[inline(always)] fn max(self, o: Self) -> Self { if o > self { o } else { self } }
+            #[inline(always)] fn div_n(self, n: usize) -> Self { self / n as $t }
+        }
+        impl Elem for $t {
+            type A = $t;
+            #[inline(always)] fn load(self) -> $t { self }
+            #[inline(always)] fn store(a: $t) -> $t { a }
+        }
+    )*};
+}
+float_acc!(f32, f64);
+
+impl Elem for f16 {
+    type A = f32;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn store(a: f32) -> f16 {
+        f16::from_f32(a)
+    }
+}
+
+impl Elem for bf16 {
+    type A = f32;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn store(a: f32) -> bf16 {
+        bf16::from_f32(a)
+    }
+}
+
+/// Runs `$body` with `$t` bound to the Rust type of `$dtype`.
+macro_rules! with_type {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            DType::I8 => {
+                type $t = i8;
+                $body
+            }
+            DType::U8 => {
+                type $t = u8;
+                $body
+            }
+            DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            DType::U32 => {
+                type $t = u32;
+                $body
+            }
+            DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            DType::U64 => {
+                type $t = u64;
+                $body
+            }
+            DType::F16 => {
+                type $t = f16;
+                $body
+            }
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DType::BF16 => {
+                type $t = bf16;
+                $body
+            }
+        }
+    };
+}
+
+/// Runs `$body` with `$f` bound to the binary function of `$op` (avg combines as sum).
+macro_rules! with_op {
+    ($op:expr, $f:ident => $body:expr) => {
+        match $op {
+            ReduceOp::Sum | ReduceOp::Avg => {
+                let $f = |a, b| Acc::add(a, b);
+                $body
+            }
+            ReduceOp::Prod => {
+                let $f = |a, b| Acc::mul(a, b);
+                $body
+            }
+            ReduceOp::Min => {
+                let $f = |a, b| Acc::min(a, b);
+                $body
+            }
+            ReduceOp::Max => {
+                let $f = |a, b| Acc::max(a, b);
+                $body
+            }
+        }
+    };
+}
+
+/// Typed view of `bytes` when aligned, else a copy into `tmp`.
+#[inline(always)]
+fn view<'a, T: Pod>(bytes: &'a [u8], tmp: &'a mut [T; BLOCK]) -> &'a [T] {
+    match bytemuck::try_cast_slice(bytes) {
+        Ok(s) => s,
+        Err(_) => {
+            let t = &mut tmp[..bytes.len() / size_of::<T>()];
+            bytemuck::cast_slice_mut(t).copy_from_slice(bytes);
+            t
+        }
+    }
+}
+
+/// Applies `k(dst, a, b)` over whole buffers: directly when every buffer is aligned, else block by block
+/// through aligned temporaries. `b` may be `None` (for one-input kernels).
+#[inline(always)]
+fn map<O: Pod, I: Pod, J: Pod>(
+    dst: &mut [u8],
+    a: &[u8],
+    b: Option<&[u8]>,
+    k: impl Fn(&mut [O], &[I], Option<&[J]>),
+) {
+    let n = dst.len() / size_of::<O>();
+    assert_eq!(dst.len(), n * size_of::<O>(), "destination length");
+    assert_eq!(a.len(), n * size_of::<I>(), "first operand length");
+    if let Some(b) = b {
+        assert_eq!(b.len(), n * size_of::<J>(), "second operand length");
+    }
+    if let (Ok(d), Ok(x)) = (
+        bytemuck::try_cast_slice_mut::<u8, O>(dst),
+        bytemuck::try_cast_slice::<u8, I>(a),
+    ) {
+        match b.map(bytemuck::try_cast_slice::<u8, J>) {
+            None => return k(d, x, None),
+            Some(Ok(y)) => return k(d, x, Some(y)),
+            Some(Err(_)) => {}
+        }
+    }
+    let (mut td, mut ta, mut tb) = (
+        [O::zeroed(); BLOCK],
+        [I::zeroed(); BLOCK],
+        [J::zeroed(); BLOCK],
+    );
+    let mut start = 0;
+    while start < n {
+        let len = BLOCK.min(n - start);
+        let x = view(
+            &a[start * size_of::<I>()..(start + len) * size_of::<I>()],
+            &mut ta,
+        );
+        let y = b.map(|b| &b[start * size_of::<J>()..(start + len) * size_of::<J>()]);
+        let y = y.map(|y| view(y, &mut tb));
+        let out = &mut dst[start * size_of::<O>()..(start + len) * size_of::<O>()];
+        match bytemuck::try_cast_slice_mut::<u8, O>(out) {
+            Ok(d) => k(d, x, y),
+            Err(_) => {
+                k(&mut td[..len], x, y);
+                out.copy_from_slice(bytemuck::cast_slice(&td[..len]));
+            }
+        }
+        start += len;
+    }
+}
+
+/// `dst = to_acc(src)`: the first contribution of a chain, in the accumulator type of `dtype`.
+/// `dst` holds `src.len() / dtype.size()` accumulator elements.
+pub fn to_acc(dtype: DType, dst: &mut [u8], src: &[u8]) {
+    with_type!(dtype, T => map::<<T as Elem>::A, T, u8>(dst, src, None, |d, x, _| {
+        for (d, x) in d.iter_mut().zip(x) {
+            *d = x.load();
+        }
+    }))
+}
+
+/// `dst = partial op input`: a further contribution of a chain. `partial` and `dst` are in the
+/// accumulator type, `input` in `dtype`.
+pub fn combine(dtype: DType, op: ReduceOp, dst: &mut [u8], partial: &[u8], input: &[u8]) {
+    with_type!(dtype, T => with_op!(op, f => map::<<T as Elem>::A, <T as Elem>::A, T>(dst, partial, Some(input), |d, p, x| {
+        for ((d, p), x) in d.iter_mut().zip(p).zip(x.unwrap_or_default()) {
+            *d = f(*p, x.load());
+        }
+    })))
+}
+
+/// `dst = finish(partial op input)`: the last contribution of a chain of `nranks`, rounded to `dtype`
+/// (and divided by `nranks` for avg). `input` may be [`Src::Dst`] for in-place operation.
+pub fn finalize(
+    dtype: DType,
+    op: ReduceOp,
+    nranks: usize,
+    dst: &mut [u8],
+    partial: &[u8],
+    input: Src<'_>,
+) {
+    let avg = op == ReduceOp::Avg;
+    with_type!(dtype, T => with_op!(op, f => {
+        let fin = |a: <T as Elem>::A| T::store(if avg { a.div_n(nranks) } else { a });
+        let kernel = |d: &mut [T], p: &[<T as Elem>::A], x: Option<&[T]>| {
+            for ((d, p), x) in d.iter_mut().zip(p).zip(x.unwrap_or_default()) {
+                *d = fin(f(*p, x.load()));
+            }
+        };
+        match input {
+            Src::Buf(input) => map(dst, partial, Some(input), kernel),
+            Src::Dst => {
+                // In place: copy each destination block aside before overwriting it.
+                let (es, ps) = (size_of::<T>(), size_of::<<T as Elem>::A>());
+                let n = dst.len() / es;
+                let mut saved = [T::zeroed(); BLOCK];
+                let mut start = 0;
+                while start < n {
+                    let len = BLOCK.min(n - start);
+                    let out = &mut dst[start * es..(start + len) * es];
+                    bytemuck::cast_slice_mut(&mut saved[..len]).copy_from_slice(out);
+                    let p = &partial[start * ps..(start + len) * ps];
+                    map(out, p, Some(bytemuck::cast_slice(&saved[..len])), kernel);
+                    start += len;
+                }
+            }
+        }
+    }))
+}
+
+/// `dst = finish(src[0] op src[1] op ...)`, left to right, accumulating in the accumulator type; `avg`
+/// divides by `srcs.len()`. At most one source should be [`Src::Dst`] (the in-place contribution).
+pub fn reduce_ordered(dtype: DType, op: ReduceOp, dst: &mut [u8], srcs: &[Src<'_>]) {
+    assert!(!srcs.is_empty(), "reduce_ordered needs at least one source");
+    let avg = op == ReduceOp::Avg;
+    let nranks = srcs.len();
+    with_type!(dtype, T => with_op!(op, f => {
+        type A = <T as Elem>::A;
+        let es = size_of::<T>();
+        let n = dst.len() / es;
+        assert_eq!(dst.len(), n * es, "destination length");
+        for s in srcs {
+            if let Src::Buf(b) = s {
+                assert_eq!(b.len(), dst.len(), "source length");
+            }
+        }
+        let mut acc = [A::zeroed(); BLOCK];
+        let mut tmp = [T::zeroed(); BLOCK];
+        let mut start = 0;
+        while start < n {
+            let len = BLOCK.min(n - start);
+            let range = start * es..(start + len) * es;
+            for (i, s) in srcs.iter().enumerate() {
+                let bytes = match s {
+                    Src::Buf(b) => &b[range.clone()],
+                    Src::Dst => &dst[range.clone()],
+                };
+                let x = view(bytes, &mut tmp);
+                let acc = &mut acc[..len];
+                if i == 0 {
+                    for (a, x) in acc.iter_mut().zip(x) {
+                        *a = x.load();
+                    }
+                } else {
+                    for (a, x) in acc.iter_mut().zip(x) {
+                        *a = f(*a, x.load());
+                    }
+                }
+            }
+            let out = &mut dst[range];
+            let write = |d: &mut [T]| {
+                for (d, a) in d.iter_mut().zip(&acc[..len]) {
+                    *d = T::store(if avg { a.div_n(nranks) } else { *a });
+                }
+            };
+            match bytemuck::try_cast_slice_mut::<u8, T>(out) {
+                Ok(d) => write(d),
+                Err(_) => {
+                    write(&mut tmp[..len]);
+                    out.copy_from_slice(bytemuck::cast_slice(&tmp[..len]));
+                }
+            }
+            start += len;
+        }
+    }))
+}
+
+#[cfg(test)]
+mod tests;
