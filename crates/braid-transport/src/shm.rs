@@ -1,0 +1,525 @@
+//! Shared-memory transport between processes on one host.
+//!
+//! Each rank owns one segment (a file in `/dev/shm`) that holds its *inbound* channels, one per peer.
+//! A channel is a ring of `slots` slots of `slot_bytes` bytes plus two counters: `posted`, bumped by the
+//! sender when a slot is full, and `consumed`, bumped by the receiver when it is done with one (the
+//! credit). Senders map their peers' segments and write straight into the receiver's slot; the receiver
+//! reduces from the slot in place. Counters are 32-bit futex words, so a waiter that has spun long enough
+//! sleeps in the kernel and the other side wakes it only when it is actually asleep.
+//!
+//! Segments are unlinked as soon as every rank has mapped them (see [`Segment::unlink`]); from then on a
+//! killed process leaves nothing behind in `/dev/shm`.
+//!
+//! Everything read from a segment that another process writes (header fields, slot lengths, tags) is
+//! validated before it is used.
+
+use std::cell::Cell;
+use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use braid_core::Error;
+use memmap2::MmapRaw;
+
+use crate::wait::{futex_wake, peer_alive, wait_until, WaitCtx, WaitPolicy};
+
+const MAGIC: u64 = u64::from_le_bytes(*b"BRAIDshm");
+const VERSION: u32 = 1;
+const HEADER: usize = 4096;
+const CTRL: usize = 256;
+const SLOT_HDR: usize = 64;
+const CACHE_LINE: usize = 64;
+
+// Header offsets.
+const H_MAGIC: usize = 0;
+const H_VERSION: usize = 8;
+const H_WORLD: usize = 12;
+const H_OWNER: usize = 16;
+const H_PID: usize = 20;
+const H_SLOTS: usize = 24;
+const H_SLOT_BYTES: usize = 28;
+const H_FAILED: usize = 64;
+
+// Channel control offsets: the sender's line and the receiver's line.
+const C_POSTED: usize = 0;
+const C_RECV_WAITING: usize = 4;
+const C_CONSUMED: usize = 128;
+const C_SEND_WAITING: usize = 132;
+
+/// The geometry of a segment; every rank of a communicator uses the same one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Ranks in the communicator (one inbound channel each).
+    pub world: usize,
+    /// Slots per channel (at least 2; see `braid_sched::sim::run`).
+    pub slots: usize,
+    /// Payload bytes per slot.
+    pub slot_bytes: usize,
+}
+
+impl Layout {
+    fn slot_stride(&self) -> usize {
+        SLOT_HDR + self.slot_bytes.next_multiple_of(CACHE_LINE)
+    }
+    fn channel_stride(&self) -> usize {
+        CTRL + self.slots * self.slot_stride()
+    }
+    fn channel(&self, from: usize) -> usize {
+        HEADER + from * self.channel_stride()
+    }
+    fn slot(&self, from: usize, index: usize) -> usize {
+        self.channel(from) + CTRL + index * self.slot_stride()
+    }
+    /// Total bytes of the segment.
+    pub fn size(&self) -> usize {
+        HEADER + self.world * self.channel_stride()
+    }
+}
+
+/// One rank's inbound segment, mapped into this process.
+pub struct Segment {
+    map: MmapRaw,
+    path: PathBuf,
+    layout: Layout,
+    owner: usize,
+    pid: u32,
+}
+
+// SAFETY: the mapping is shared memory accessed only through atomics and through slot slices whose
+// exclusive use the slot protocol guarantees; the struct itself is immutable after construction.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+impl Segment {
+    /// Creates the segment of rank `owner` at `path` (which must not exist), sized for `layout`.
+    pub fn create(path: &Path, layout: Layout, owner: usize) -> Result<Segment, Error> {
+        let ctx = || format!("creating shared-memory segment {}", path.display());
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(|e| Error::io(ctx(), e))?;
+        let setup = || -> Result<MmapRaw, Error> {
+            file.set_len(layout.size() as u64)
+                .map_err(|e| Error::io(ctx(), e))?;
+            MmapRaw::map_raw(&file).map_err(|e| Error::io(ctx(), e))
+        };
+        let map = match setup() {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = std::fs::remove_file(path);
+                return Err(e);
+            }
+        };
+        let pid = std::process::id();
+        let seg = Segment {
+            map,
+            path: path.to_owned(),
+            layout,
+            owner,
+            pid,
+        };
+        seg.word(H_VERSION).store(VERSION, Ordering::Relaxed);
+        seg.word(H_WORLD)
+            .store(layout.world as u32, Ordering::Relaxed);
+        seg.word(H_OWNER).store(owner as u32, Ordering::Relaxed);
+        seg.word(H_PID).store(pid, Ordering::Relaxed);
+        seg.word(H_SLOTS)
+            .store(layout.slots as u32, Ordering::Relaxed);
+        seg.word(H_SLOT_BYTES)
+            .store(layout.slot_bytes as u32, Ordering::Relaxed);
+        seg.word64(H_MAGIC).store(MAGIC, Ordering::Release);
+        Ok(seg)
+    }
+
+    /// Maps rank `owner`'s segment at `path` and checks that its header matches `layout`.
+    pub fn open(path: &Path, layout: Layout, owner: usize) -> Result<Segment, Error> {
+        let ctx = || {
+            format!(
+                "mapping rank {owner}'s shared-memory segment {}",
+                path.display()
+            )
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| Error::io(ctx(), e))?;
+        let len = file.metadata().map_err(|e| Error::io(ctx(), e))?.len();
+        if len != layout.size() as u64 {
+            return Err(Error::Bootstrap(format!(
+                "{}: size {len}, expected {}",
+                ctx(),
+                layout.size()
+            )));
+        }
+        let map = MmapRaw::map_raw(&file).map_err(|e| Error::io(ctx(), e))?;
+        let mut seg = Segment {
+            map,
+            path: path.to_owned(),
+            layout,
+            owner,
+            pid: 0,
+        };
+        let magic = seg.word64(H_MAGIC).load(Ordering::Acquire);
+        let fields = [
+            (
+                "version",
+                seg.word(H_VERSION).load(Ordering::Relaxed) as usize,
+                VERSION as usize,
+            ),
+            (
+                "world",
+                seg.word(H_WORLD).load(Ordering::Relaxed) as usize,
+                layout.world,
+            ),
+            (
+                "owner",
+                seg.word(H_OWNER).load(Ordering::Relaxed) as usize,
+                owner,
+            ),
+            (
+                "slots",
+                seg.word(H_SLOTS).load(Ordering::Relaxed) as usize,
+                layout.slots,
+            ),
+            (
+                "slot bytes",
+                seg.word(H_SLOT_BYTES).load(Ordering::Relaxed) as usize,
+                layout.slot_bytes,
+            ),
+        ];
+        if magic != MAGIC {
+            return Err(Error::Bootstrap(format!("{}: not a braid segment", ctx())));
+        }
+        for (name, got, want) in fields {
+            if got != want {
+                return Err(Error::Bootstrap(format!(
+                    "{}: {name} is {got}, expected {want}",
+                    ctx()
+                )));
+            }
+        }
+        seg.pid = seg.word(H_PID).load(Ordering::Relaxed);
+        Ok(seg)
+    }
+
+    /// Removes the segment's name; the memory stays mapped until every process unmaps it.
+    pub fn unlink(&self) -> Result<(), Error> {
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::io(format!("unlinking {}", self.path.display()), e)),
+        }
+    }
+
+    /// The segment's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The pid of the process that created the segment.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    fn word(&self, off: usize) -> &AtomicU32 {
+        assert!(off % 4 == 0 && off + 4 <= self.layout.size());
+        // SAFETY: in bounds and 4-aligned (the mapping is page-aligned); the mapping lives as long as
+        // `self`; all cross-process access to control words is atomic.
+        unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU32) }
+    }
+
+    fn word64(&self, off: usize) -> &AtomicU64 {
+        assert!(off % 8 == 0 && off + 8 <= self.layout.size());
+        // SAFETY: as in `word`, 8-aligned.
+        unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU64) }
+    }
+
+    fn ctrl(&self, from: usize, field: usize) -> &AtomicU32 {
+        self.word(self.layout.channel(from) + field)
+    }
+
+    fn failed(&self) -> bool {
+        self.word(H_FAILED).load(Ordering::Acquire) != 0
+    }
+
+    /// Raw pointer to slot `index` of the channel from `from`: its 64-byte header, then the payload.
+    fn slot_ptr(&self, from: usize, index: usize) -> *mut u8 {
+        let off = self.layout.slot(from, index);
+        assert!(off + self.layout.slot_stride() <= self.layout.size());
+        // SAFETY: `off` plus a whole slot is within the mapping, checked above.
+        unsafe { self.map.as_mut_ptr().add(off) }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        if self.owner_is_me() {
+            let _ = self.unlink();
+        }
+    }
+}
+
+impl Segment {
+    fn owner_is_me(&self) -> bool {
+        self.pid == std::process::id()
+            && self.word(H_OWNER).load(Ordering::Relaxed) as usize == self.owner
+    }
+}
+
+/// The mappings of a transport, shareable with other threads so that `abort` can wake a blocked wait.
+pub struct Mappings {
+    rank: usize,
+    own: Segment,
+    peers: Vec<Option<Segment>>,
+}
+
+impl Mappings {
+    /// Marks this rank failed (so peers stop waiting for it) and wakes every wait on this rank's
+    /// channels, in this process and in peers.
+    pub fn fail_and_wake(&self) {
+        self.own.word(H_FAILED).store(1, Ordering::Release);
+        self.wake_all();
+    }
+
+    /// Wakes every wait on this rank's channels without marking anything.
+    pub fn wake_all(&self) {
+        for (p, peer) in self.peers.iter().enumerate() {
+            if let Some(peer) = peer {
+                futex_wake(self.own.ctrl(p, C_POSTED));
+                futex_wake(self.own.ctrl(p, C_CONSUMED));
+                futex_wake(peer.ctrl(self.rank, C_POSTED));
+                futex_wake(peer.ctrl(self.rank, C_CONSUMED));
+            }
+        }
+    }
+}
+
+/// The shared-memory transport of one rank: its own inbound segment and its peers', plus the local
+/// sequence counters. It is used by one thread at a time (it is `Send`, not `Sync`).
+pub struct ShmTransport {
+    maps: Arc<Mappings>,
+    layout: Layout,
+    policy: WaitPolicy,
+    sent: Vec<Cell<u32>>,
+    recvd: Vec<Cell<u32>>,
+    reserved: Vec<Cell<bool>>,
+    tag: Cell<u32>,
+}
+
+impl ShmTransport {
+    /// Builds the transport from this rank's own segment and the mapped segments of its peers
+    /// (`peers[rank]` must be `None`).
+    pub fn new(own: Segment, peers: Vec<Option<Segment>>, policy: WaitPolicy) -> ShmTransport {
+        let layout = own.layout;
+        let rank = own.owner;
+        assert_eq!(peers.len(), layout.world);
+        assert!(peers[rank].is_none());
+        let n = layout.world;
+        ShmTransport {
+            maps: Arc::new(Mappings { rank, own, peers }),
+            layout,
+            policy,
+            sent: (0..n).map(|_| Cell::new(0)).collect(),
+            recvd: (0..n).map(|_| Cell::new(0)).collect(),
+            reserved: (0..n).map(|_| Cell::new(false)).collect(),
+            tag: Cell::new(0),
+        }
+    }
+
+    /// The handle other threads use to wake or fail this transport.
+    pub fn mappings(&self) -> Arc<Mappings> {
+        self.maps.clone()
+    }
+
+    /// Payload capacity of one slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.layout.slot_bytes
+    }
+
+    /// Sets the tag stamped on every message from now on (the collective's sequence number); a received
+    /// message with another tag is a mismatch between ranks.
+    pub fn set_tag(&self, tag: u32) {
+        self.tag.set(tag);
+    }
+
+    fn peer(&self, p: usize) -> &Segment {
+        self.maps.peers[p].as_ref().expect("no channel to self")
+    }
+
+    fn check_peer(&self, ctx: &WaitCtx<'_>, p: usize) -> Result<(), Error> {
+        let seg = self.peer(p);
+        if seg.failed() {
+            return Err(ctx.peer_failed(p, "failed or aborted"));
+        }
+        if !peer_alive(seg.pid()) {
+            return Err(ctx.peer_failed(p, format!("died (pid {} is gone)", seg.pid())));
+        }
+        Ok(())
+    }
+
+    /// Waits for a free slot in `to`'s channel from this rank and hands it out for writing.
+    pub fn send_slot(&self, to: usize, ctx: &WaitCtx<'_>) -> Result<SendSlot<'_>, Error> {
+        assert!(!self.reserved[to].get(), "slot to rank {to} reserved twice");
+        let seg = self.peer(to);
+        let me = self.maps.rank;
+        let consumed = seg.ctrl(me, C_CONSUMED);
+        let s = self.sent[to].get();
+        let slots = self.layout.slots as u32;
+        wait_until(
+            &self.policy,
+            ctx,
+            to,
+            "a free slot",
+            consumed,
+            seg.ctrl(me, C_SEND_WAITING),
+            || s.wrapping_sub(consumed.load(Ordering::Acquire)) < slots,
+            || self.check_peer(ctx, to),
+        )?;
+        let ptr = seg.slot_ptr(me, (s % slots) as usize);
+        self.reserved[to].set(true);
+        // SAFETY: the slot is ours until posted: the receiver has consumed it (credit checked above) and
+        // will not touch it before `posted` moves past it; `reserved` prevents handing it out twice.
+        let data =
+            unsafe { std::slice::from_raw_parts_mut(ptr.add(SLOT_HDR), self.layout.slot_bytes) };
+        Ok(SendSlot {
+            t: self,
+            to,
+            hdr: ptr,
+            data,
+        })
+    }
+
+    /// Waits for the next message from `from` and returns it in place.
+    pub fn recv(&self, from: usize, ctx: &WaitCtx<'_>) -> Result<RecvSlot<'_>, Error> {
+        let own = &self.maps.own;
+        let posted = own.ctrl(from, C_POSTED);
+        let r = self.recvd[from].get();
+        wait_until(
+            &self.policy,
+            ctx,
+            from,
+            "data",
+            posted,
+            own.ctrl(from, C_RECV_WAITING),
+            || posted.load(Ordering::Acquire) != r,
+            || self.check_peer(ctx, from),
+        )?;
+        let ptr = own.slot_ptr(from, (r % self.layout.slots as u32) as usize);
+        // SAFETY: the slot header is within the mapping; the sender finished writing it before the
+        // Release store of `posted` that the Acquire load above observed.
+        let (len, tag) = unsafe {
+            (
+                (ptr as *const u32).read_volatile(),
+                (ptr as *const u32).add(1).read_volatile(),
+            )
+        };
+        let mismatch = |detail: String| Error::Mismatch {
+            rank: self.maps.rank,
+            peer: from,
+            collective: ctx.collective.to_string(),
+            seq: ctx.seq,
+            detail,
+        };
+        if len as usize > self.layout.slot_bytes {
+            return Err(mismatch(format!(
+                "message of {len} bytes exceeds the slot size {}",
+                self.layout.slot_bytes
+            )));
+        }
+        if tag != self.tag.get() {
+            return Err(mismatch(format!(
+                "message belongs to collective #{tag}, this rank is at #{}",
+                self.tag.get()
+            )));
+        }
+        // SAFETY: `len` was checked against the slot size; the sender will not write this slot again
+        // until we return the credit in `RecvSlot::drop`.
+        let data = unsafe { std::slice::from_raw_parts(ptr.add(SLOT_HDR), len as usize) };
+        Ok(RecvSlot {
+            t: self,
+            from,
+            data,
+        })
+    }
+}
+
+/// A reserved slot in a peer's segment; write the payload, then [`SendSlot::post`] it.
+pub struct SendSlot<'a> {
+    t: &'a ShmTransport,
+    to: usize,
+    hdr: *mut u8,
+    data: &'a mut [u8],
+}
+
+impl SendSlot<'_> {
+    /// The slot's payload area (its capacity is the slot size).
+    pub fn data(&mut self) -> &mut [u8] {
+        self.data
+    }
+
+    /// Publishes the first `len` bytes to the receiver.
+    pub fn post(self, len: usize) {
+        assert!(
+            len <= self.data.len(),
+            "posting {len} bytes into a slot of {}",
+            self.data.len()
+        );
+        let t = self.t;
+        let me = t.maps.rank;
+        // SAFETY: `hdr` points at this slot's 64-byte header, which we own until the store below.
+        unsafe {
+            (self.hdr as *mut u32).write_volatile(len as u32);
+            (self.hdr as *mut u32).add(1).write_volatile(t.tag.get());
+        }
+        let seg = t.peer(self.to);
+        let s = t.sent[self.to].get().wrapping_add(1);
+        t.sent[self.to].set(s);
+        seg.ctrl(me, C_POSTED).store(s, Ordering::SeqCst);
+        if seg.ctrl(me, C_RECV_WAITING).load(Ordering::SeqCst) != 0 {
+            futex_wake(seg.ctrl(me, C_POSTED));
+        }
+    }
+}
+
+impl Drop for SendSlot<'_> {
+    fn drop(&mut self) {
+        self.t.reserved[self.to].set(false);
+    }
+}
+
+/// A received message, read in place; dropping it returns the slot to the sender.
+pub struct RecvSlot<'a> {
+    t: &'a ShmTransport,
+    from: usize,
+    data: &'a [u8],
+}
+
+impl RecvSlot<'_> {
+    /// The payload.
+    pub fn data(&self) -> &[u8] {
+        self.data
+    }
+}
+
+impl Drop for RecvSlot<'_> {
+    fn drop(&mut self) {
+        let t = self.t;
+        let own = &t.maps.own;
+        let r = t.recvd[self.from].get().wrapping_add(1);
+        t.recvd[self.from].set(r);
+        own.ctrl(self.from, C_CONSUMED).store(r, Ordering::SeqCst);
+        if own.ctrl(self.from, C_SEND_WAITING).load(Ordering::SeqCst) != 0 {
+            futex_wake(own.ctrl(self.from, C_CONSUMED));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

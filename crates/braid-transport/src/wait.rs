@@ -1,0 +1,264 @@
+//! Waiting on a word in shared memory: spin, then yield, then futex, with a deadline and liveness checks.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use braid_core::Error;
+
+/// How long a wait spins and yields before it sleeps.
+#[derive(Clone, Copy, Debug)]
+pub struct WaitPolicy {
+    /// Busy-spin this long first (0 when ranks outnumber cores).
+    pub spin: Duration,
+    /// Then call `sched_yield` for this long, which hands the core to a peer that shares it.
+    pub yield_for: Duration,
+}
+
+impl WaitPolicy {
+    /// The policy for `local_ranks` processes on this host, with an optional spin override.
+    pub fn for_host(local_ranks: usize, spin_us: Option<u64>) -> WaitPolicy {
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        let spin = spin_us.unwrap_or(if local_ranks <= cores { 20 } else { 0 });
+        WaitPolicy {
+            spin: Duration::from_micros(spin),
+            yield_for: Duration::from_micros(200),
+        }
+    }
+}
+
+/// Who is waiting for what, so that a failed wait produces an error that names everything.
+pub struct WaitCtx<'a> {
+    /// This rank.
+    pub rank: usize,
+    /// The collective being run.
+    pub collective: &'a str,
+    /// Its sequence number.
+    pub seq: u64,
+    /// When the wait gives up.
+    pub deadline: Instant,
+    /// When the collective started (for the message).
+    pub started: Instant,
+    /// Set by `abort` from any thread.
+    pub abort: &'a AtomicBool,
+}
+
+impl WaitCtx<'_> {
+    pub(crate) fn timeout(&self, peer: usize, what: &str) -> Error {
+        Error::Timeout {
+            rank: self.rank,
+            peer,
+            collective: self.collective.to_string(),
+            seq: self.seq,
+            waited_ms: self.started.elapsed().as_millis() as u64,
+            what: what.to_string(),
+        }
+    }
+
+    pub(crate) fn peer_failed(&self, peer: usize, reason: impl Into<String>) -> Error {
+        Error::PeerFailed {
+            rank: self.rank,
+            peer,
+            collective: self.collective.to_string(),
+            seq: self.seq,
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn aborted(&self) -> Error {
+        Error::Aborted {
+            rank: self.rank,
+            during: format!(" during {} #{}", self.collective, self.seq),
+        }
+    }
+}
+
+/// Whether process `pid` on this host still runs (a zombie counts as dead).
+pub fn peer_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => match stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].trim_start().chars().next())
+        {
+            Some('Z') | Some('X') | Some('x') => false,
+            Some(_) => true,
+            None => true,
+        },
+        Err(_) => false,
+    }
+}
+
+/// Slice of a blocking wait between checks of deadline, abort and liveness.
+const SLICE: Duration = Duration::from_millis(5);
+
+/// Waits until `ready()` holds. `word` is the futex word the other side bumps (and wakes when `flag` is
+/// set); `check` is asked, between sleeps, whether the peer has failed.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn wait_until(
+    policy: &WaitPolicy,
+    ctx: &WaitCtx<'_>,
+    peer: usize,
+    what: &str,
+    word: &AtomicU32,
+    flag: &AtomicU32,
+    mut ready: impl FnMut() -> bool,
+    mut check: impl FnMut() -> Result<(), Error>,
+) -> Result<(), Error> {
+    if ready() {
+        return Ok(());
+    }
+    let start = Instant::now();
+    let mut i = 0u32;
+    loop {
+        std::hint::spin_loop();
+        if ready() {
+            return Ok(());
+        }
+        i += 1;
+        if i % 64 == 0 && start.elapsed() >= policy.spin {
+            break;
+        }
+    }
+    let yield_end = policy.spin + policy.yield_for;
+    while start.elapsed() < yield_end {
+        std::thread::yield_now();
+        if ready() {
+            return Ok(());
+        }
+    }
+    loop {
+        if ctx.abort.load(Ordering::Relaxed) {
+            return Err(ctx.aborted());
+        }
+        check()?;
+        let now = Instant::now();
+        if now >= ctx.deadline {
+            return Err(ctx.timeout(peer, what));
+        }
+        flag.store(1, Ordering::SeqCst);
+        let seen = word.load(Ordering::SeqCst);
+        if ready() {
+            flag.store(0, Ordering::Relaxed);
+            return Ok(());
+        }
+        futex_wait(word, seen, SLICE.min(ctx.deadline - now));
+        flag.store(0, Ordering::Relaxed);
+        if ready() {
+            return Ok(());
+        }
+    }
+}
+
+/// Sleeps while `*word == seen`, at most `timeout`. Spurious returns are fine: callers re-check.
+fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as _,
+    };
+    // SAFETY: `word` is a valid, aligned u32 for the duration of the call (it lives in a mapping the
+    // caller keeps alive); FUTEX_WAIT without the private flag works across processes sharing the page.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            seen,
+            &ts as *const libc::timespec,
+        );
+    }
+}
+
+/// Wakes every process sleeping on `word`.
+pub(crate) fn futex_wake(word: &AtomicU32) {
+    // SAFETY: as in `futex_wait`; waking has no memory effects beyond the syscall.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn liveness_of_self_and_of_a_reaped_child() {
+        assert!(peer_alive(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let pid = child.id();
+        child.wait().unwrap();
+        assert!(!peer_alive(pid));
+    }
+
+    #[test]
+    fn wait_times_out_and_aborts() {
+        let word = AtomicU32::new(0);
+        let flag = AtomicU32::new(0);
+        let abort = AtomicBool::new(false);
+        let policy = WaitPolicy {
+            spin: Duration::ZERO,
+            yield_for: Duration::ZERO,
+        };
+        let now = Instant::now();
+        let ctx = WaitCtx {
+            rank: 0,
+            collective: "test",
+            seq: 3,
+            deadline: now + Duration::from_millis(30),
+            started: now,
+            abort: &abort,
+        };
+        let e =
+            wait_until(&policy, &ctx, 1, "data", &word, &flag, || false, || Ok(())).unwrap_err();
+        assert!(matches!(e, Error::Timeout { seq: 3, .. }), "{e}");
+        assert!(now.elapsed() >= Duration::from_millis(30));
+        abort.store(true, Ordering::Relaxed);
+        let ctx = WaitCtx {
+            deadline: Instant::now() + Duration::from_secs(60),
+            ..ctx
+        };
+        let e =
+            wait_until(&policy, &ctx, 1, "data", &word, &flag, || false, || Ok(())).unwrap_err();
+        assert!(matches!(e, Error::Aborted { .. }), "{e}");
+    }
+
+    #[test]
+    fn wake_crosses_threads() {
+        let word = std::sync::Arc::new(AtomicU32::new(0));
+        let flag = std::sync::Arc::new(AtomicU32::new(0));
+        let abort = AtomicBool::new(false);
+        let (w, f) = (word.clone(), flag.clone());
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            w.store(1, Ordering::SeqCst);
+            if f.load(Ordering::SeqCst) != 0 {
+                futex_wake(&w);
+            }
+        });
+        let policy = WaitPolicy {
+            spin: Duration::ZERO,
+            yield_for: Duration::ZERO,
+        };
+        let now = Instant::now();
+        let ctx = WaitCtx {
+            rank: 0,
+            collective: "test",
+            seq: 0,
+            deadline: now + Duration::from_secs(10),
+            started: now,
+            abort: &abort,
+        };
+        wait_until(
+            &policy,
+            &ctx,
+            1,
+            "data",
+            &word,
+            &flag,
+            || word.load(Ordering::Acquire) == 1,
+            || Ok(()),
+        )
+        .unwrap();
+        t.join().unwrap();
+    }
+}
