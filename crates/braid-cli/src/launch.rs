@@ -1,0 +1,137 @@
+//! `braid run`: start N ranks of a program on this host, as torchrun or mpirun do, and stop them all
+//! when one fails.
+
+use std::ffi::OsString;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+use braid::UniqueId;
+
+/// Set by the signal handler: the signal the launcher received (0 = none).
+static SIGNALLED: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    SIGNALLED.store(sig, Ordering::SeqCst);
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exited with code {c}"),
+        (None, Some(s)) => format!("was killed by signal {s}"),
+        _ => "ended".to_string(),
+    }
+}
+
+/// Sends `sig` to the process group of every child still running.
+fn signal_all(children: &[(usize, Child)], done: &[bool], sig: libc::c_int) {
+    for (i, (_, c)) in children.iter().enumerate() {
+        if !done[i] {
+            // SAFETY: kill(2) on a process group we created (each child leads its own group).
+            unsafe {
+                libc::kill(-(c.id() as libc::pid_t), sig);
+            }
+        }
+    }
+}
+
+/// Runs `program args` as `n` ranks; returns the launcher's exit code.
+pub fn run(n: usize, program: &OsString, args: &[OsString], extra_env: &[(String, String)]) -> i32 {
+    if n == 0 {
+        eprintln!("braid run: -n must be at least 1");
+        return 2;
+    }
+    let port = match TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).and_then(|l| l.local_addr()) {
+        Ok(a) => a.port(),
+        Err(e) => {
+            eprintln!("braid run: no free local port for the bootstrap: {e}");
+            return 1;
+        }
+    };
+    let id = match UniqueId::unbound(SocketAddr::from((Ipv4Addr::LOCALHOST, port))) {
+        Ok(id) => id,
+        Err(e) => {
+            eprintln!("braid run: {e}");
+            return 1;
+        }
+    };
+    // SAFETY: installing an async-signal-safe handler (it only stores to an atomic).
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    let mut children: Vec<(usize, Child)> = Vec::with_capacity(n);
+    for rank in 0..n {
+        let mut cmd = Command::new(program);
+        cmd.args(args)
+            .env("BRAID_RANK", rank.to_string())
+            .env("BRAID_WORLD_SIZE", n.to_string())
+            .env("BRAID_LOCAL_RANK", rank.to_string())
+            .env("BRAID_LOCAL_WORLD_SIZE", n.to_string())
+            .env("BRAID_ROOT", id.addr().to_string())
+            .env("BRAID_SECRET", id.secret_hex())
+            .envs(extra_env.iter().map(|(k, v)| (k, v)))
+            .process_group(0);
+        match cmd.spawn() {
+            Ok(c) => children.push((rank, c)),
+            Err(e) => {
+                eprintln!(
+                    "braid run: cannot start rank {rank} ({}): {e}",
+                    program.to_string_lossy()
+                );
+                let done = vec![false; children.len()];
+                signal_all(&children, &done, libc::SIGKILL);
+                for (_, c) in &mut children {
+                    let _ = c.wait();
+                }
+                return 1;
+            }
+        }
+    }
+    let mut done = vec![false; n];
+    let mut failure: Option<String> = None;
+    let mut kill_at: Option<Instant> = None;
+    let grace = Duration::from_secs(3);
+    while done.iter().any(|d| !d) {
+        for (i, (rank, c)) in children.iter_mut().enumerate() {
+            if done[i] {
+                continue;
+            }
+            match c.try_wait() {
+                Ok(Some(status)) => {
+                    done[i] = true;
+                    if !status.success() && failure.is_none() {
+                        failure = Some(format!("rank {rank} {}", describe(status)));
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    done[i] = true;
+                    failure.get_or_insert(format!("rank {rank}: cannot wait for it: {e}"));
+                }
+            }
+        }
+        let sig = SIGNALLED.swap(0, Ordering::SeqCst);
+        if sig != 0 && failure.is_none() {
+            failure = Some(format!("the launcher received signal {sig}"));
+        }
+        if failure.is_some() && kill_at.is_none() {
+            signal_all(&children, &done, libc::SIGTERM);
+            kill_at = Some(Instant::now() + grace);
+        }
+        if kill_at.is_some_and(|t| Instant::now() >= t) {
+            signal_all(&children, &done, libc::SIGKILL);
+            kill_at = Some(Instant::now() + grace);
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    match failure {
+        None => 0,
+        Some(f) => {
+            eprintln!("braid run: {f}; the other ranks were stopped");
+            1
+        }
+    }
+}

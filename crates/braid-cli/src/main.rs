@@ -1,0 +1,153 @@
+//! The `braid` command: `braid run` starts ranks of any program; `braid perf` benchmarks all-reduce.
+
+mod launch;
+mod perf;
+
+use std::ffi::OsString;
+
+use braid::{Communicator, DType, JobEnv, ReduceOp};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "braid",
+    version,
+    about = "Collective communication without NCCL: launcher and benchmarks"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start N ranks of a program on this host (like torchrun or mpirun); if one fails, stop the rest.
+    Run {
+        /// Number of ranks.
+        #[arg(short = 'n', long = "nranks")]
+        n: usize,
+        /// The program and its arguments.
+        #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
+        command: Vec<OsString>,
+    },
+    /// All-reduce benchmark with nccl-tests columns. Runs N local ranks (--ranks), or, started by a
+    /// launcher (braid run, torchrun, mpirun, srun), as one rank of that job.
+    Perf {
+        /// Local ranks to start (default 2 when not started by a launcher).
+        #[arg(long)]
+        ranks: Option<usize>,
+        /// Smallest size in bytes (suffixes K, M, G).
+        #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = perf::parse_size)]
+        min_bytes: usize,
+        /// Largest size in bytes.
+        #[arg(short = 'e', long = "maxbytes", default_value = "64M", value_parser = perf::parse_size)]
+        max_bytes: usize,
+        /// Size multiplication factor between steps.
+        #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
+        factor: usize,
+        /// Timed iterations per size.
+        #[arg(short = 'n', long = "iters", default_value_t = 20)]
+        iters: usize,
+        /// Warm-up iterations per size.
+        #[arg(short = 'w', long = "warmup_iters", default_value_t = 5)]
+        warmup: usize,
+        /// Element type (float, double, half, bfloat16, int8, uint8, int32, uint32, int64, uint64).
+        #[arg(short = 'd', long = "datatype", default_value = "float")]
+        dtype: String,
+        /// Reduction (sum, prod, max, min, avg).
+        #[arg(short = 'o', long = "op", default_value = "sum")]
+        op: String,
+        /// Check results (1) or not (0).
+        #[arg(short = 'c', long = "check", default_value_t = 1)]
+        check: u8,
+        /// Also write the results as JSON to this file.
+        #[arg(long)]
+        json: Option<String>,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let code = match cli.cmd {
+        Cmd::Run { n, command } => launch::run(n, &command[0], &command[1..], &[]),
+        Cmd::Perf {
+            ranks,
+            min_bytes,
+            max_bytes,
+            factor,
+            iters,
+            warmup,
+            dtype,
+            op,
+            check,
+            json,
+        } => {
+            let args = (|| -> Result<perf::PerfArgs, String> {
+                let dtype: DType = dtype.parse().map_err(|e: braid::Error| e.to_string())?;
+                let op: ReduceOp = op.parse().map_err(|e: braid::Error| e.to_string())?;
+                if min_bytes > max_bytes {
+                    return Err(format!("-b {min_bytes} is larger than -e {max_bytes}"));
+                }
+                Ok(perf::PerfArgs {
+                    min_bytes,
+                    max_bytes,
+                    factor,
+                    iters,
+                    warmup,
+                    dtype,
+                    op,
+                    check: check != 0,
+                    json,
+                })
+            })();
+            match args {
+                Err(e) => {
+                    eprintln!("braid perf: {e}");
+                    2
+                }
+                Ok(args) => perf_main(ranks, &args),
+            }
+        }
+    };
+    std::process::exit(code);
+}
+
+fn perf_main(ranks: Option<usize>, args: &perf::PerfArgs) -> i32 {
+    if ranks.is_none() && JobEnv::present() {
+        let comm = match Communicator::from_env() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("braid perf: {e}");
+                return 1;
+            }
+        };
+        return match perf::run(&comm, args) {
+            Ok(0) => 0,
+            Ok(_) => 3,
+            Err(e) => {
+                eprintln!("braid perf: rank {}: {e}", comm.rank());
+                1
+            }
+        };
+    }
+    // Start the ranks: this same command, under our launcher, without --ranks.
+    let n = ranks.unwrap_or(2);
+    let exe = match std::env::current_exe() {
+        Ok(p) => p.into_os_string(),
+        Err(e) => {
+            eprintln!("braid perf: cannot find this executable: {e}");
+            return 1;
+        }
+    };
+    let mut rest: Vec<OsString> = Vec::new();
+    let mut it = std::env::args_os().skip(1).peekable();
+    while let Some(a) = it.next() {
+        if a == "--ranks" {
+            it.next();
+        } else if a.to_string_lossy().starts_with("--ranks=") {
+        } else {
+            rest.push(a);
+        }
+    }
+    launch::run(n, &exe, &rest, &[])
+}

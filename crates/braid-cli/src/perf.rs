@@ -1,0 +1,345 @@
+//! `braid perf`: the all-reduce benchmark, in nccl-tests' columns.
+//!
+//! Inputs are small integers (or powers of two for prod), so the exact result is known whatever the
+//! reduction order and `#wrong` counts real errors. Times are the slowest rank's average per iteration.
+//! Alongside, rank 0 measures the memory-bandwidth bound of this machine: one process computing
+//! `out = a + b` over the same bytes, the least memory traffic an all-reduce result needs.
+
+use std::time::Instant;
+
+use braid::{Communicator, DType, Error, ReduceOp};
+use braid_core::reduce::{self, Src};
+use serde::Serialize;
+
+/// What to measure.
+#[derive(Clone, Debug)]
+pub struct PerfArgs {
+    pub min_bytes: usize,
+    pub max_bytes: usize,
+    pub factor: usize,
+    pub iters: usize,
+    pub warmup: usize,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub check: bool,
+    pub json: Option<String>,
+}
+
+#[derive(Serialize, Clone, Copy, Default)]
+struct Cell {
+    time_us: f64,
+    algbw: f64,
+    busbw: f64,
+    wrong: u64,
+}
+
+#[derive(Serialize)]
+struct Row {
+    size: usize,
+    count: usize,
+    algo: &'static str,
+    oop: Cell,
+    ip: Cell,
+}
+
+#[derive(Serialize)]
+struct Bound {
+    size: usize,
+    time_us: f64,
+    busbw: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    tool: &'static str,
+    ranks: usize,
+    dtype: String,
+    op: String,
+    iters: usize,
+    warmup: usize,
+    results: Vec<Row>,
+    membw: Vec<Bound>,
+}
+
+/// Parses `8`, `64K`, `16M`, `1G` (powers of two).
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last() {
+        Some((i, c)) if c.eq_ignore_ascii_case(&'k') => (&s[..i], 1usize << 10),
+        Some((i, c)) if c.eq_ignore_ascii_case(&'m') => (&s[..i], 1 << 20),
+        Some((i, c)) if c.eq_ignore_ascii_case(&'g') => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("{s:?} is not a size (examples: 8, 64K, 16M, 1G)"))
+}
+
+/// Sizes from `min` to `max`, multiplying by `factor`.
+pub fn sweep(min: usize, max: usize, factor: usize) -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = min.max(1);
+    while s <= max {
+        v.push(s);
+        if factor <= 1 {
+            break;
+        }
+        s = match s.checked_mul(factor) {
+            Some(n) => n,
+            None => break,
+        };
+    }
+    v
+}
+
+/// Element `i` of rank `r`'s input, as a small exact value.
+fn value(op: ReduceOp, i: usize, r: usize) -> f64 {
+    if op == ReduceOp::Prod {
+        1.0 + ((i + r) % 2) as f64
+    } else {
+        ((i * 7 + r * 3) % 17) as f64
+    }
+}
+
+fn fill(buf: &mut [u8], dtype: DType, op: ReduceOp, rank: usize) {
+    let es = dtype.size();
+    for (i, e) in buf.chunks_exact_mut(es).enumerate() {
+        let v = value(op, i, rank);
+        match dtype {
+            DType::I8 => e.copy_from_slice(&(v as i8).to_ne_bytes()),
+            DType::U8 => e.copy_from_slice(&(v as u8).to_ne_bytes()),
+            DType::I32 => e.copy_from_slice(&(v as i32).to_ne_bytes()),
+            DType::U32 => e.copy_from_slice(&(v as u32).to_ne_bytes()),
+            DType::I64 => e.copy_from_slice(&(v as i64).to_ne_bytes()),
+            DType::U64 => e.copy_from_slice(&(v as u64).to_ne_bytes()),
+            DType::F16 => e.copy_from_slice(&half::f16::from_f64(v).to_ne_bytes()),
+            DType::BF16 => e.copy_from_slice(&half::bf16::from_f64(v).to_ne_bytes()),
+            DType::F32 => e.copy_from_slice(&(v as f32).to_ne_bytes()),
+            DType::F64 => e.copy_from_slice(&v.to_ne_bytes()),
+        }
+    }
+}
+
+/// The exact expected result: every rank's inputs reduced in rank order (the inputs make any order give
+/// the same bits).
+fn expected(bytes: usize, dtype: DType, op: ReduceOp, world: usize) -> Vec<u8> {
+    let inputs: Vec<Vec<u8>> = (0..world)
+        .map(|r| {
+            let mut b = vec![0u8; bytes];
+            fill(&mut b, dtype, op, r);
+            b
+        })
+        .collect();
+    let mut out = vec![0u8; bytes];
+    let srcs: Vec<Src> = inputs.iter().map(|b| Src::Buf(b)).collect();
+    reduce::reduce_ordered(dtype, op, &mut out, &srcs);
+    out
+}
+
+fn wrong(got: &[u8], want: &[u8], es: usize) -> u64 {
+    got.chunks_exact(es)
+        .zip(want.chunks_exact(es))
+        .filter(|(a, b)| a != b)
+        .count() as u64
+}
+
+/// Slowest rank's value.
+fn max_over_ranks(comm: &Communicator, v: f64) -> Result<f64, Error> {
+    let mut x = [v];
+    comm.all_reduce_in_place(&mut x, ReduceOp::Max)?;
+    Ok(x[0])
+}
+
+fn sum_over_ranks(comm: &Communicator, v: u64) -> Result<u64, Error> {
+    let mut x = [v];
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+    Ok(x[0])
+}
+
+fn measure_bound(bytes: usize, iters: usize, dtype: DType) -> f64 {
+    let a = vec![1u8; bytes];
+    let b = vec![2u8; bytes];
+    let mut out = vec![0u8; bytes];
+    let run = |out: &mut [u8]| {
+        reduce::reduce_ordered(dtype, ReduceOp::Max, out, &[Src::Buf(&a), Src::Buf(&b)])
+    };
+    for _ in 0..2 {
+        run(&mut out);
+    }
+    let t = Instant::now();
+    for _ in 0..iters {
+        run(&mut out);
+    }
+    t.elapsed().as_secs_f64() / iters as f64
+}
+
+/// Runs the benchmark as one rank of `comm`; rank 0 prints and writes the report.
+pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let (dtype, op, es) = (a.dtype, a.op, a.dtype.size());
+    let sizes = sweep(a.min_bytes, a.max_bytes, a.factor);
+    let max = sizes.iter().copied().max().unwrap_or(0) / es * es;
+    let mut send = vec![0u8; max];
+    let mut recv = vec![0u8; max];
+    let factor = if world > 1 {
+        2.0 * (world - 1) as f64 / world as f64
+    } else {
+        1.0
+    };
+    let mut report = Report {
+        tool: "braid",
+        ranks: world,
+        dtype: dtype.name().into(),
+        op: op.name().into(),
+        iters: a.iters,
+        warmup: a.warmup,
+        results: vec![],
+        membw: vec![],
+    };
+    if rank == 0 {
+        println!(
+            "# braid perf: {world} ranks over shared memory, {} {}, {} iterations after {} warm-up",
+            dtype, op, a.iters, a.warmup
+        );
+        println!("#");
+        println!("# {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>8} {:>6}",
+            "", "", "", "", "", "out-of-place", "", "", "", "in-place", "", "", "", "bound", "");
+        println!("# {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>8} {:>6}",
+            "size", "count", "type", "redop", "algo", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong", "busbw", "%bound");
+        println!("# {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>8} {:>6}",
+            "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "", "(GB/s)", "");
+    }
+    let mut total_wrong = 0;
+    let mut busbw_sum = 0.0;
+    for &size in &sizes {
+        let count = size / es;
+        let bytes = count * es;
+        let want = if a.check {
+            expected(bytes, dtype, op, world)
+        } else {
+            Vec::new()
+        };
+        let mut cells = [Cell::default(); 2];
+        for (mode, cell) in cells.iter_mut().enumerate() {
+            let in_place = mode == 1;
+            let once = |send: &mut [u8], recv: &mut [u8]| -> Result<(), Error> {
+                if in_place {
+                    comm.all_reduce_bytes_in_place(&mut recv[..bytes], dtype, op)
+                } else {
+                    comm.all_reduce_bytes(&send[..bytes], &mut recv[..bytes], dtype, op)
+                }
+            };
+            let mut w = 0;
+            if a.check {
+                fill(&mut send[..bytes], dtype, op, rank);
+                fill(
+                    &mut recv[..bytes],
+                    dtype,
+                    op,
+                    if in_place { rank } else { rank + 1000 },
+                );
+                once(&mut send, &mut recv)?;
+                w = wrong(&recv[..bytes], &want, es);
+            }
+            for _ in 0..a.warmup {
+                once(&mut send, &mut recv)?;
+            }
+            comm.barrier()?;
+            let t = Instant::now();
+            for _ in 0..a.iters {
+                once(&mut send, &mut recv)?;
+            }
+            let secs = max_over_ranks(comm, t.elapsed().as_secs_f64() / a.iters.max(1) as f64)?;
+            let wrong = sum_over_ranks(comm, w)?;
+            let algbw = bytes as f64 / secs / 1e9;
+            *cell = Cell {
+                time_us: secs * 1e6,
+                algbw,
+                busbw: algbw * factor,
+                wrong,
+            };
+        }
+        // The bound: rank 0 alone, while the others wait at the barrier.
+        let bound = if rank == 0 && bytes > 0 {
+            measure_bound(bytes, a.iters.max(1), dtype)
+        } else {
+            0.0
+        };
+        comm.barrier()?;
+        total_wrong += cells[0].wrong + cells[1].wrong;
+        busbw_sum += cells[0].busbw;
+        let algo = comm.all_reduce_algo(bytes).name();
+        if rank == 0 {
+            let bound_busbw = if bound > 0.0 {
+                bytes as f64 / bound / 1e9 * factor
+            } else {
+                0.0
+            };
+            let pct = if bound_busbw > 0.0 {
+                100.0 * cells[0].busbw / bound_busbw
+            } else {
+                0.0
+            };
+            println!(
+                "  {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10.2} {:>8.2} {:>8.2} {:>6} | {:>10.2} {:>8.2} {:>8.2} {:>6} | {:>8.2} {:>5.0}%",
+                bytes, count, dtype.name(), op.name(), algo,
+                cells[0].time_us, cells[0].algbw, cells[0].busbw, cells[0].wrong,
+                cells[1].time_us, cells[1].algbw, cells[1].busbw, cells[1].wrong,
+                bound_busbw, pct
+            );
+            report.results.push(Row {
+                size: bytes,
+                count,
+                algo,
+                oop: cells[0],
+                ip: cells[1],
+            });
+            report.membw.push(Bound {
+                size: bytes,
+                time_us: bound * 1e6,
+                busbw: bound_busbw,
+            });
+        }
+    }
+    if rank == 0 {
+        println!(
+            "# Out of bounds values : {total_wrong} {}",
+            if total_wrong == 0 { "OK" } else { "FAILED" }
+        );
+        println!(
+            "# Avg bus bandwidth    : {:.3}",
+            busbw_sum / sizes.len().max(1) as f64
+        );
+        if let Some(path) = &a.json {
+            let text = serde_json::to_string_pretty(&report).expect("report serialises");
+            std::fs::write(path, text).map_err(|e| Error::io(format!("writing {path}"), e))?;
+        }
+    }
+    Ok(total_wrong)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_and_sweep() {
+        assert_eq!(parse_size("8").unwrap(), 8);
+        assert_eq!(parse_size("64M").unwrap(), 64 << 20);
+        assert_eq!(parse_size("1k").unwrap(), 1024);
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("99999999999999G").is_err());
+        assert_eq!(sweep(8, 64, 2), vec![8, 16, 32, 64]);
+        assert_eq!(sweep(8, 8, 2), vec![8]);
+        assert_eq!(sweep(8, 100, 1), vec![8]);
+    }
+
+    #[test]
+    fn expected_values_are_exact_sums() {
+        let want = expected(4 * 3, DType::F32, ReduceOp::Sum, 2);
+        let vals: Vec<f32> = bytemuck::pod_collect_to_vec(&want);
+        // Element i of rank r is (7i + 3r) mod 17: [0, 7, 14] + [3, 10, 0].
+        assert_eq!(vals, vec![3.0, 17.0, 14.0]);
+    }
+}

@@ -1,0 +1,884 @@
+//! The communicator: setup, argument checks, the op queue and its progress engine, abort and sticky
+//! errors.
+//!
+//! Every collective becomes an [`Op`] on the communicator's host stream. Ops run strictly in the order
+//! they were issued, on whichever thread gets there first: a blocking call runs its op (and anything
+//! queued before it) on the calling thread, so a small all-reduce never pays for a thread hand-off; async
+//! ops are run by a progress thread, started on first use. CUDA streams will be further queues of the same
+//! kind.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::marker::PhantomData;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use braid_core::{Config, DType, Element, Error, ReduceOp};
+use braid_transport::shm::{Layout, Mappings, Segment, ShmTransport};
+use braid_transport::WaitPolicy;
+use parking_lot::{Condvar, Mutex};
+use tracing::{debug, error};
+
+use crate::bootstrap::{self, Agreed};
+use crate::exec::{Algo, Executor, Kind, Op};
+use crate::id::{random_secret, UniqueId};
+use crate::job::JobEnv;
+use crate::wire::PeerInfo;
+
+/// A group of ranks that run collectives together.
+///
+/// Errors follow NCCL's split: an invalid argument is rejected before anything happens and the
+/// communicator stays usable; any other error (timeout, dead or aborted peer, mismatch) makes the
+/// communicator unusable, visible through [`Communicator::async_error`], and later calls fail fast.
+pub struct Communicator {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    rank: usize,
+    world: usize,
+    config: Config,
+    exec: Mutex<Executor>,
+    queue: Mutex<VecDeque<Arc<Task>>>,
+    queued: Condvar,
+    abort: Arc<AtomicBool>,
+    shutdown: AtomicBool,
+    sticky: Mutex<Option<Error>>,
+    maps: Option<Arc<Mappings>>,
+    progress: Mutex<Option<JoinHandle<()>>>,
+}
+
+struct Task {
+    op: Op,
+    result: Mutex<Option<Result<(), Error>>>,
+    done: Condvar,
+    keep: Mutex<Option<Box<dyn Any + Send>>>,
+}
+
+impl Task {
+    fn complete(&self, r: Result<(), Error>) {
+        *self.result.lock() = Some(r);
+        self.done.notify_all();
+    }
+}
+
+/// A collective in flight. [`Work::wait`] returns the buffer the op was given, now holding the result.
+/// Dropping a `Work` does not cancel the op; it still runs, in order.
+#[must_use = "a collective's result is only known after wait()"]
+pub struct Work<R> {
+    task: Arc<Task>,
+    limit: Duration,
+    _r: PhantomData<fn() -> R>,
+}
+
+impl<R: 'static> Work<R> {
+    /// Whether the op has finished (successfully or not).
+    pub fn test(&self) -> bool {
+        self.task.result.lock().is_some()
+    }
+
+    /// Waits for the op and returns its buffer. The wait is bounded: an op cannot outlive the
+    /// communicator's timeout by much, and if it somehow does this returns an error instead of hanging.
+    pub fn wait(self) -> Result<R, Error> {
+        let deadline = Instant::now() + self.limit;
+        let mut res = self.task.result.lock();
+        while res.is_none() {
+            if self.task.done.wait_until(&mut res, deadline).timed_out() && res.is_none() {
+                return Err(Error::Poisoned {
+                    rank: usize::MAX,
+                    first: format!(
+                        "{} did not complete within {:?}",
+                        self.task.op.kind.name(),
+                        self.limit
+                    ),
+                });
+            }
+        }
+        res.take().expect("checked")?;
+        drop(res);
+        let keep = self
+            .task
+            .keep
+            .lock()
+            .take()
+            .expect("work buffer taken once");
+        Ok(*keep.downcast::<R>().expect("work buffer type"))
+    }
+}
+
+/// The identity of this host: equal strings mean the same kernel (and the same `/dev/shm`).
+fn host_identity() -> String {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    format!("{}#{}", name.trim(), boot.trim())
+}
+
+fn init_logging(config: &Config) {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(config.debug.directive()))
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Which side of a collective a caller's buffer is.
+enum In<'a> {
+    Buf(&'a [u8]),
+    InPlace,
+}
+
+impl Communicator {
+    /// Joins the communicator named by `id` as `rank` of `world`; every rank must call this with the same
+    /// id, world and transport settings. Blocks until every rank has joined (at most `config.timeout`).
+    pub fn init(
+        world: usize,
+        rank: usize,
+        id: &UniqueId,
+        config: Config,
+    ) -> Result<Communicator, Error> {
+        init_logging(&config);
+        if world == 0 || rank >= world {
+            return Err(Error::invalid(format!(
+                "rank {rank} is out of range for world size {world}"
+            )));
+        }
+        if config.slots < 2 {
+            return Err(Error::invalid("a channel needs at least 2 slots"));
+        }
+        let deadline = Instant::now() + config.timeout;
+        let slot_bytes = config.chunk_bytes.next_multiple_of(64);
+        let layout = Layout {
+            world,
+            slots: config.slots,
+            slot_bytes,
+        };
+        let own = if world > 1 {
+            let nonce = random_secret()?;
+            let name = format!(
+                "braid-{}-r{rank}",
+                crate::id::format_secret(&nonce)[..16].to_owned()
+            );
+            Some(Segment::create(
+                &PathBuf::from("/dev/shm").join(name),
+                layout,
+                rank,
+            )?)
+        } else {
+            None
+        };
+        let me = PeerInfo {
+            pid: std::process::id(),
+            host: host_identity(),
+            shm_path: own
+                .as_ref()
+                .map(|s| s.path().display().to_string())
+                .unwrap_or_default(),
+        };
+        let agreed = Agreed {
+            world,
+            slots: layout.slots as u32,
+            slot_bytes: layout.slot_bytes as u32,
+        };
+        let (table, mut links) = bootstrap::join(id, rank, agreed, me.clone(), deadline)?;
+        let transport = match own {
+            None => None,
+            Some(own) => {
+                let mut peers = Vec::with_capacity(world);
+                for (p, info) in table.iter().enumerate() {
+                    if p == rank {
+                        peers.push(None);
+                        continue;
+                    }
+                    if info.host != me.host {
+                        return Err(Error::Bootstrap(format!(
+                            "rank {p} runs on another host ({}) than rank {rank} ({}); this build connects ranks \
+                             of one host only, over shared memory",
+                            info.host, me.host
+                        )));
+                    }
+                    peers.push(Some(Segment::open(
+                        std::path::Path::new(&info.shm_path),
+                        layout,
+                        p,
+                    )?));
+                }
+                // Everyone has mapped everyone: the names can go, so nothing outlives a killed process.
+                links.barrier(1, deadline)?;
+                own.unlink()?;
+                Some(ShmTransport::new(
+                    own,
+                    peers,
+                    WaitPolicy::for_host(world, config.spin_us),
+                ))
+            }
+        };
+        drop(links);
+        let abort = Arc::new(AtomicBool::new(false));
+        let maps = transport.as_ref().map(|t| t.mappings());
+        debug!(rank, world, "communicator ready");
+        let inner = Inner {
+            rank,
+            world,
+            exec: Mutex::new(Executor::new(
+                rank,
+                world,
+                config.clone(),
+                transport,
+                abort.clone(),
+            )),
+            config,
+            queue: Mutex::new(VecDeque::new()),
+            queued: Condvar::new(),
+            abort,
+            shutdown: AtomicBool::new(false),
+            sticky: Mutex::new(None),
+            maps,
+            progress: Mutex::new(None),
+        };
+        Ok(Communicator {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// Joins the job described by the environment (`BRAID_RANK`/`BRAID_WORLD_SIZE`/`BRAID_ROOT`/
+    /// `BRAID_SECRET`, or torchrun's, Open MPI's, PMI's or Slurm's variables), configured by `BRAID_*`.
+    pub fn from_env() -> Result<Communicator, Error> {
+        let config = Config::from_env()?;
+        let job = JobEnv::detect()?;
+        Communicator::init(job.world, job.rank, &job.id, config)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.inner.world
+    }
+
+    /// The configuration in effect.
+    pub fn config(&self) -> &Config {
+        &self.inner.config
+    }
+
+    /// The all-reduce algorithm braid would use for `bytes` bytes.
+    pub fn all_reduce_algo(&self, bytes: usize) -> Algo {
+        self.inner.exec.lock().choose(bytes)
+    }
+
+    /// The first error that made this communicator unusable, if any.
+    pub fn async_error(&self) -> Option<Error> {
+        self.inner.sticky.lock().clone()
+    }
+
+    /// Aborts: every blocked or later call on this communicator returns an error promptly, and peers
+    /// waiting on this rank learn that it failed. Safe to call from any thread.
+    pub fn abort(&self) {
+        let inner = &self.inner;
+        inner.abort.store(true, Ordering::SeqCst);
+        inner.sticky.lock().get_or_insert(Error::Aborted {
+            rank: inner.rank,
+            during: String::new(),
+        });
+        if let Some(m) = &inner.maps {
+            m.fail_and_wake();
+        }
+        inner.queued.notify_all();
+    }
+
+    // ---- argument checks -------------------------------------------------------------------------
+
+    fn elems(&self, len: usize, dtype: DType, what: &str) -> Result<usize, Error> {
+        if len % dtype.size() != 0 {
+            return Err(Error::invalid(format!(
+                "{what} buffer of {len} bytes is not a whole number of {dtype} elements"
+            )));
+        }
+        Ok(len / dtype.size())
+    }
+
+    fn check_root(&self, root: usize) -> Result<(), Error> {
+        if root >= self.inner.world {
+            return Err(Error::invalid(format!(
+                "root {root} is out of range for world size {}",
+                self.inner.world
+            )));
+        }
+        Ok(())
+    }
+
+    fn times_world(&self, count: usize, dtype: DType) -> Result<usize, Error> {
+        count
+            .checked_mul(self.inner.world)
+            .and_then(|c| dtype.bytes_for(c).ok())
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "count {count} × world size {} overflows",
+                    self.inner.world
+                ))
+            })
+    }
+
+    // ---- byte-level collectives (any dtype) -------------------------------------------------------
+
+    /// All-reduce of `recv.len() / dtype.size()` elements from `send` into `recv`.
+    pub fn all_reduce_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        self.all_reduce_impl(In::Buf(send), recv, dtype, op)
+    }
+
+    /// All-reduce in place.
+    pub fn all_reduce_bytes_in_place(
+        &self,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        self.all_reduce_impl(In::InPlace, buf, dtype, op)
+    }
+
+    fn all_reduce_impl(
+        &self,
+        send: In<'_>,
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        let count = self.elems(recv.len(), dtype, "receive")?;
+        if let In::Buf(s) = send {
+            if s.len() != recv.len() {
+                return Err(Error::invalid(format!(
+                    "all_reduce: send buffer has {} bytes, receive buffer {}",
+                    s.len(),
+                    recv.len()
+                )));
+            }
+        }
+        self.run(Kind::AllReduce, dtype, op, count, send, recv)
+    }
+
+    /// Reduce-scatter: `send` holds `world` blocks of `recv.len()` bytes; rank `r` gets the reduction of
+    /// block `r`.
+    pub fn reduce_scatter_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        let count = self.elems(recv.len(), dtype, "receive")?;
+        let need = self.times_world(count, dtype)?;
+        if send.len() != need {
+            return Err(Error::invalid(format!(
+                "reduce_scatter: send buffer must hold world × {count} elements ({need} bytes), has {}",
+                send.len()
+            )));
+        }
+        self.run(Kind::ReduceScatter, dtype, op, count, In::Buf(send), recv)
+    }
+
+    /// All-gather: `recv` gets every rank's `send`, in rank order.
+    pub fn all_gather_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+    ) -> Result<(), Error> {
+        let count = self.elems(send.len(), dtype, "send")?;
+        let need = self.times_world(count, dtype)?;
+        if recv.len() != need {
+            return Err(Error::invalid(format!(
+                "all_gather: receive buffer must hold world × {count} elements ({need} bytes), has {}",
+                recv.len()
+            )));
+        }
+        self.run(
+            Kind::AllGather,
+            dtype,
+            ReduceOp::Sum,
+            count,
+            In::Buf(send),
+            recv,
+        )
+    }
+
+    /// Broadcast of `root`'s `send` into every rank's `recv` (`send` is read on the root only).
+    pub fn broadcast_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), Error> {
+        self.check_root(root)?;
+        let count = self.elems(recv.len(), dtype, "receive")?;
+        if self.inner.rank == root && send.len() != recv.len() {
+            return Err(Error::invalid(format!(
+                "broadcast: the root's send buffer has {} bytes, its receive buffer {}",
+                send.len(),
+                recv.len()
+            )));
+        }
+        let send = if self.inner.rank == root {
+            In::Buf(send)
+        } else {
+            In::InPlace
+        };
+        self.run(
+            Kind::Broadcast { root },
+            dtype,
+            ReduceOp::Sum,
+            count,
+            send,
+            recv,
+        )
+    }
+
+    /// Reduce to `root`: `recv` is written on the root only.
+    pub fn reduce_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), Error> {
+        self.check_root(root)?;
+        let count = self.elems(send.len(), dtype, "send")?;
+        if self.inner.rank == root && recv.len() != send.len() {
+            return Err(Error::invalid(format!(
+                "reduce: the root's receive buffer has {} bytes, its send buffer {}",
+                recv.len(),
+                send.len()
+            )));
+        }
+        let len = send.len();
+        if self.inner.rank == root {
+            return self.run(Kind::Reduce { root }, dtype, op, count, In::Buf(send), recv);
+        }
+        // Off the root only the send buffer is read; the op sees it as both sides.
+        let ptr = send.as_ptr();
+        // SAFETY: `send` is borrowed for the whole (blocking) call and only read by a non-root schedule.
+        let op = unsafe {
+            Op::new(
+                Kind::Reduce { root },
+                dtype,
+                op,
+                count,
+                ptr,
+                len,
+                ptr as *mut u8,
+                0,
+            )
+        };
+        self.run_blocking(op)
+    }
+
+    fn run(
+        &self,
+        kind: Kind,
+        dtype: DType,
+        redop: ReduceOp,
+        count: usize,
+        send: In<'_>,
+        recv: &mut [u8],
+    ) -> Result<(), Error> {
+        let rl = recv.len();
+        let rp = recv.as_mut_ptr();
+        let (sp, sl) = match send {
+            In::Buf(s) => (s.as_ptr(), s.len()),
+            In::InPlace => (rp as *const u8, rl),
+        };
+        // SAFETY: both slices are borrowed for the whole blocking call; lengths were checked by the
+        // caller; a shared and a mutable borrow never overlap (the borrow checker saw to that), and in
+        // place they are the same pointer.
+        let op = unsafe { Op::new(kind, dtype, redop, count, sp, sl, rp, rl) };
+        self.run_blocking(op)
+    }
+
+    fn run_blocking(&self, op: Op) -> Result<(), Error> {
+        let inner = &self.inner;
+        let mut exec = inner.exec.lock();
+        inner.drain(&mut exec);
+        inner.execute(&mut exec, &op)
+    }
+
+    // ---- typed collectives ------------------------------------------------------------------------
+
+    /// All-reduce `send` into `recv` (same length).
+    pub fn all_reduce<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        self.all_reduce_bytes(
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            T::DTYPE,
+            op,
+        )
+    }
+
+    /// All-reduce in place.
+    pub fn all_reduce_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        self.all_reduce_bytes_in_place(bytemuck::cast_slice_mut(buf), T::DTYPE, op)
+    }
+
+    /// Reduce-scatter: `send.len() == world * recv.len()`.
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        self.reduce_scatter_bytes(
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            T::DTYPE,
+            op,
+        )
+    }
+
+    /// Reduce-scatter in place: `buf` holds `world` blocks; this rank's block receives the result.
+    pub fn reduce_scatter_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        let world = self.inner.world;
+        if buf.len() % world != 0 {
+            return Err(Error::invalid(format!(
+                "reduce_scatter_in_place: {} elements do not split into {world} blocks",
+                buf.len()
+            )));
+        }
+        let count = buf.len() / world;
+        let es = T::DTYPE.size();
+        let total = buf.len() * es;
+        let base = buf.as_mut_ptr() as *mut u8;
+        // SAFETY: `buf` is borrowed mutably for the whole call; the receive side is this rank's block
+        // inside it, which the reduce-scatter schedule reads as its own input (same address, `Src::Dst`).
+        let op = unsafe {
+            Op::new(
+                Kind::ReduceScatter,
+                T::DTYPE,
+                op,
+                count,
+                base,
+                total,
+                base.add(self.inner.rank * count * es),
+                count * es,
+            )
+        };
+        self.run_blocking(op)
+    }
+
+    /// All-gather: `recv.len() == world * send.len()`.
+    pub fn all_gather<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<(), Error> {
+        self.all_gather_bytes(
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            T::DTYPE,
+        )
+    }
+
+    /// All-gather in place: this rank's block of `buf` is its contribution.
+    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<(), Error> {
+        let world = self.inner.world;
+        if buf.len() % world != 0 {
+            return Err(Error::invalid(format!(
+                "all_gather_in_place: {} elements do not split into {world} blocks",
+                buf.len()
+            )));
+        }
+        let count = buf.len() / world;
+        let es = T::DTYPE.size();
+        let base = buf.as_mut_ptr() as *mut u8;
+        // SAFETY: `buf` is borrowed mutably for the whole call; the send side is this rank's own block
+        // inside it, which the all-gather schedule only reads (and never writes to another block's range).
+        let op = unsafe {
+            Op::new(
+                Kind::AllGather,
+                T::DTYPE,
+                ReduceOp::Sum,
+                count,
+                base.add(self.inner.rank * count * es),
+                count * es,
+                base,
+                buf.len() * es,
+            )
+        };
+        self.run_blocking(op)
+    }
+
+    /// Broadcast from `root`: `send` is read on the root only (pass `&[]` elsewhere).
+    pub fn broadcast<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        root: usize,
+    ) -> Result<(), Error> {
+        self.broadcast_bytes(
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            T::DTYPE,
+            root,
+        )
+    }
+
+    /// Broadcast in place.
+    pub fn broadcast_in_place<T: Element>(&self, buf: &mut [T], root: usize) -> Result<(), Error> {
+        self.check_root(root)?;
+        let count = buf.len();
+        self.run(
+            Kind::Broadcast { root },
+            T::DTYPE,
+            ReduceOp::Sum,
+            count,
+            In::InPlace,
+            bytemuck::cast_slice_mut(buf),
+        )
+    }
+
+    /// Reduce to `root`: `recv` is written on the root only (pass `&mut []` elsewhere).
+    pub fn reduce<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), Error> {
+        self.reduce_bytes(
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            T::DTYPE,
+            op,
+            root,
+        )
+    }
+
+    /// Reduce to `root` in place (other ranks' buffers are left as they were).
+    pub fn reduce_in_place<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), Error> {
+        self.check_root(root)?;
+        let count = buf.len();
+        self.run(
+            Kind::Reduce { root },
+            T::DTYPE,
+            op,
+            count,
+            In::InPlace,
+            bytemuck::cast_slice_mut(buf),
+        )
+    }
+
+    /// Waits until every rank has reached the barrier.
+    pub fn barrier(&self) -> Result<(), Error> {
+        self.run(
+            Kind::Barrier,
+            DType::U8,
+            ReduceOp::Sum,
+            0,
+            In::InPlace,
+            &mut [],
+        )
+    }
+
+    // ---- asynchronous collectives -----------------------------------------------------------------
+
+    /// Enqueues an in-place all-reduce of an owned buffer; [`Work::wait`] gives it back reduced.
+    pub fn all_reduce_async<T: Element>(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+        self.submit_owned(Kind::AllReduce, op, buf)
+    }
+
+    /// Enqueues an in-place broadcast of an owned buffer from `root`.
+    pub fn broadcast_async<T: Element>(
+        &self,
+        buf: Vec<T>,
+        root: usize,
+    ) -> Result<Work<Vec<T>>, Error> {
+        self.check_root(root)?;
+        Ok(self.submit_owned(Kind::Broadcast { root }, ReduceOp::Sum, buf))
+    }
+
+    /// Enqueues an all-gather; [`Work::wait`] returns the gathered buffer (`world × send.len()`).
+    pub fn all_gather_async<T: Element>(&self, send: Vec<T>) -> Work<Vec<T>> {
+        let world = self.inner.world;
+        let count = send.len();
+        let mut out = vec![T::zeroed(); count * world];
+        out[self.inner.rank * count..(self.inner.rank + 1) * count].copy_from_slice(&send);
+        drop(send);
+        let es = T::DTYPE.size();
+        let mut boxed = Box::new(out);
+        let base = boxed.as_mut_ptr() as *mut u8;
+        // SAFETY: the vector's heap buffer is owned by the task until it completes and is not touched by
+        // anyone else meanwhile; the send side is this rank's block inside it (in-place all-gather).
+        let op = unsafe {
+            Op::new(
+                Kind::AllGather,
+                T::DTYPE,
+                ReduceOp::Sum,
+                count,
+                base.add(self.inner.rank * count * es),
+                count * es,
+                base,
+                count * world * es,
+            )
+        };
+        self.submit(op, boxed)
+    }
+
+    /// Enqueues a barrier.
+    pub fn barrier_async(&self) -> Work<()> {
+        // SAFETY: a barrier touches no buffer.
+        let op = unsafe {
+            Op::new(
+                Kind::Barrier,
+                DType::U8,
+                ReduceOp::Sum,
+                0,
+                std::ptr::null(),
+                0,
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        self.submit(op, Box::new(()))
+    }
+
+    fn submit_owned<T: Element>(&self, kind: Kind, redop: ReduceOp, buf: Vec<T>) -> Work<Vec<T>> {
+        let mut boxed = Box::new(buf);
+        let len = boxed.len() * T::DTYPE.size();
+        let count = boxed.len();
+        let ptr = boxed.as_mut_ptr() as *mut u8;
+        // SAFETY: the vector's heap buffer is owned by the task until it completes (moving the box does
+        // not move the heap buffer) and nobody else touches it meanwhile.
+        let op = unsafe { Op::new(kind, T::DTYPE, redop, count, ptr, len, ptr, len) };
+        self.submit(op, boxed)
+    }
+
+    fn submit<R: Send + 'static>(&self, op: Op, keep: Box<R>) -> Work<R> {
+        let inner = &self.inner;
+        let task = Arc::new(Task {
+            op,
+            result: Mutex::new(None),
+            done: Condvar::new(),
+            keep: Mutex::new(Some(keep)),
+        });
+        inner.queue.lock().push_back(task.clone());
+        inner.ensure_progress_thread(&self.inner);
+        inner.queued.notify_one();
+        Work {
+            task,
+            limit: inner.config.timeout * 2 + Duration::from_secs(10),
+            _r: PhantomData,
+        }
+    }
+}
+
+impl Inner {
+    /// Runs one op under the executor lock, turning panics and non-argument errors into a sticky error.
+    fn execute(&self, exec: &mut Executor, op: &Op) -> Result<(), Error> {
+        if let Some(first) = self.sticky.lock().as_ref() {
+            return Err(Error::Poisoned {
+                rank: self.rank,
+                first: first.to_string(),
+            });
+        }
+        let seq = exec.next_seq();
+        let r = catch_unwind(AssertUnwindSafe(|| exec.run(op))).unwrap_or_else(|p| {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned());
+            Err(Error::Poisoned {
+                rank: self.rank,
+                first: format!(
+                    "internal error in {} #{seq}: {}",
+                    op.kind.name(),
+                    msg.unwrap_or_default()
+                ),
+            })
+        });
+        if let Err(e) = &r {
+            if !e.is_invalid_argument() {
+                error!("{e}");
+                self.sticky.lock().get_or_insert(e.clone());
+                if let Some(m) = &self.maps {
+                    m.fail_and_wake();
+                }
+            }
+        }
+        r
+    }
+
+    /// Runs every queued op, in order.
+    fn drain(&self, exec: &mut Executor) {
+        loop {
+            let next = self.queue.lock().pop_front();
+            let Some(task) = next else { return };
+            let r = self.execute(exec, &task.op);
+            task.complete(r);
+        }
+    }
+
+    fn ensure_progress_thread(&self, me: &Arc<Inner>) {
+        let mut slot = self.progress.lock();
+        if slot.is_some() {
+            return;
+        }
+        let inner = me.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("braid-progress-{}", self.rank))
+            .spawn(move || loop {
+                {
+                    let mut q = inner.queue.lock();
+                    while q.is_empty() && !inner.shutdown.load(Ordering::Acquire) {
+                        inner.queued.wait_for(&mut q, Duration::from_millis(100));
+                    }
+                    if q.is_empty() {
+                        return;
+                    }
+                }
+                let mut exec = inner.exec.lock();
+                inner.drain(&mut exec);
+            })
+            .expect("spawning the progress thread");
+        *slot = Some(handle);
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        let inner = &self.inner;
+        inner.shutdown.store(true, Ordering::Release);
+        inner.queued.notify_all();
+        if let Some(h) = inner.progress.lock().take() {
+            // Queued ops still run (their buffers are owned by their tasks); each is bounded by the
+            // timeout, so this join is bounded too.
+            let _ = h.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,403 @@
+//! The executor: walks a schedule from `braid-sched` over the transport, one action at a time.
+//!
+//! It is the only place where user buffers are touched through raw pointers. The pointers come from
+//! [`Op`], whose constructor's contract (lengths checked, buffers live and unaliased for the call) the
+//! communicator upholds; each action makes slices only for the ranges it touches, and never a shared and a
+//! mutable slice of the same bytes (in place, the destination is its own source: `Src::Dst`).
+
+use std::ops::Range;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Instant;
+
+use braid_core::reduce::{self, Src};
+use braid_core::{Config, DType, Error, ReduceOp};
+use braid_sched::{direct, ring, Action, Buf};
+use braid_transport::shm::ShmTransport;
+use braid_transport::WaitCtx;
+use tracing::trace;
+
+/// Which collective an op runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Kind {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast { root: usize },
+    Reduce { root: usize },
+    Barrier,
+}
+
+impl Kind {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Kind::AllReduce => "all_reduce",
+            Kind::ReduceScatter => "reduce_scatter",
+            Kind::AllGather => "all_gather",
+            Kind::Broadcast { .. } => "broadcast",
+            Kind::Reduce { .. } => "reduce",
+            Kind::Barrier => "barrier",
+        }
+    }
+}
+
+/// The all-reduce algorithms this executor runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algo {
+    /// Reduce-scatter then all-gather around a ring, pipelined in chunks.
+    Ring,
+    /// Every rank sends its whole buffer to every other rank and reduces locally.
+    Direct,
+}
+
+impl Algo {
+    /// Its name in `BRAID_ALGO`, logs and benchmark output.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Ring => "ring",
+            Algo::Direct => "direct",
+        }
+    }
+}
+
+/// One collective call, validated: `count` is in the collective's NCCL convention (all-reduce: elements
+/// per buffer; reduce-scatter: output elements; all-gather: input elements).
+pub(crate) struct Op {
+    pub kind: Kind,
+    pub dtype: DType,
+    pub redop: ReduceOp,
+    pub count: usize,
+    send: *const u8,
+    recv: *mut u8,
+    send_len: usize,
+    recv_len: usize,
+}
+
+// SAFETY: an `Op` is a set of pointers whose validity the creator guarantees until the op completes,
+// whichever thread runs it (see `Op::new`).
+unsafe impl Send for Op {}
+// SAFETY: sharing an `Op` shares only pointer values; the memory behind them is touched solely by the
+// executor, which runs one op at a time under the communicator's executor lock.
+unsafe impl Sync for Op {}
+
+impl Op {
+    /// # Safety
+    /// `send` must be valid for reads of `send_len` bytes and `recv` for reads and writes of `recv_len`
+    /// bytes until the op has run; nothing else may access them meanwhile. The buffers are identical, or
+    /// `send` is the rank's own block inside `recv` (in-place all-gather), or they do not overlap. The
+    /// lengths must be those the collective needs (checked by the communicator).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn new(
+        kind: Kind,
+        dtype: DType,
+        redop: ReduceOp,
+        count: usize,
+        send: *const u8,
+        send_len: usize,
+        recv: *mut u8,
+        recv_len: usize,
+    ) -> Op {
+        Op {
+            kind,
+            dtype,
+            redop,
+            count,
+            send,
+            recv,
+            send_len,
+            recv_len,
+        }
+    }
+}
+
+/// Typed access to the op's buffers by element range.
+struct Bufs<'a> {
+    op: &'a Op,
+    es: usize,
+}
+
+impl Bufs<'_> {
+    fn bytes(&self, r: &Range<usize>) -> Range<usize> {
+        r.start * self.es..r.end * self.es
+    }
+    fn input(&self, r: &Range<usize>) -> &[u8] {
+        let b = self.bytes(r);
+        assert!(
+            b.end <= self.op.send_len,
+            "input range {b:?} beyond {} bytes",
+            self.op.send_len
+        );
+        // SAFETY: in bounds of the send buffer (checked), which `Op::new`'s contract keeps valid; no
+        // mutable slice of these bytes is alive while this one is (see the module doc).
+        unsafe { std::slice::from_raw_parts(self.op.send.add(b.start), b.len()) }
+    }
+    #[allow(clippy::mut_from_ref)]
+    fn output(&self, r: &Range<usize>) -> &mut [u8] {
+        let b = self.bytes(r);
+        assert!(
+            b.end <= self.op.recv_len,
+            "output range {b:?} beyond {} bytes",
+            self.op.recv_len
+        );
+        // SAFETY: in bounds of the receive buffer (checked), valid and exclusively ours by `Op::new`'s
+        // contract; each action holds at most one slice of these bytes at a time.
+        unsafe { std::slice::from_raw_parts_mut(self.op.recv.add(b.start), b.len()) }
+    }
+    /// Whether `input[i]` and `output[o]` are the same bytes (in-place operation).
+    fn same(&self, i: &Range<usize>, o: &Range<usize>) -> bool {
+        self.op.send.wrapping_add(i.start * self.es)
+            == self.op.recv.wrapping_add(o.start * self.es) as *const u8
+    }
+}
+
+/// Runs ops in order on one rank.
+pub(crate) struct Executor {
+    pub rank: usize,
+    pub world: usize,
+    config: Config,
+    transport: Option<ShmTransport>,
+    abort: Arc<AtomicBool>,
+    seq: u64,
+    cache: Option<(PlanKey, Vec<Action>)>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct PlanKey {
+    kind: Kind,
+    algo: Algo,
+    count: usize,
+    chunk: usize,
+}
+
+impl Executor {
+    pub(crate) fn new(
+        rank: usize,
+        world: usize,
+        config: Config,
+        transport: Option<ShmTransport>,
+        abort: Arc<AtomicBool>,
+    ) -> Executor {
+        Executor {
+            rank,
+            world,
+            config,
+            transport,
+            abort,
+            seq: 0,
+            cache: None,
+        }
+    }
+
+    /// The sequence number the next op will get.
+    pub(crate) fn next_seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// The all-reduce algorithm for `bytes` bytes.
+    pub(crate) fn choose(&self, bytes: usize) -> Algo {
+        match self.config.algo.as_deref() {
+            Some("ring") => Algo::Ring,
+            Some("direct") => Algo::Direct,
+            _ if bytes <= self.config.direct_max_bytes => Algo::Direct,
+            _ => Algo::Ring,
+        }
+    }
+
+    fn plan(&mut self, key: PlanKey) -> Vec<Action> {
+        if let Some((k, p)) = self.cache.take() {
+            if k == key {
+                return p;
+            }
+        }
+        let (n, r, c, chunk) = (self.world, self.rank, key.count, key.chunk);
+        match key.kind {
+            Kind::AllReduce => match key.algo {
+                Algo::Ring => ring::all_reduce(n, r, c, chunk),
+                Algo::Direct => direct::all_reduce(n, r, c, chunk),
+            },
+            Kind::ReduceScatter => ring::reduce_scatter(n, r, c, chunk),
+            Kind::AllGather => ring::all_gather(n, r, c, chunk),
+            Kind::Broadcast { root } => ring::broadcast(n, r, root, c, chunk),
+            Kind::Reduce { root } => ring::reduce(n, r, root, c, chunk),
+            Kind::Barrier => direct::barrier(n, r),
+        }
+    }
+
+    /// Runs one op to completion.
+    pub(crate) fn run(&mut self, op: &Op) -> Result<(), Error> {
+        let seq = self.seq;
+        self.seq += 1;
+        if op.count == 0 && op.kind != Kind::Barrier {
+            return Ok(());
+        }
+        let es = op.dtype.size();
+        let chunk = match &self.transport {
+            Some(t) => t.slot_bytes() / op.dtype.accumulator().size(),
+            None => usize::MAX,
+        };
+        let algo = if op.kind == Kind::AllReduce {
+            self.choose(op.count * es)
+        } else {
+            Algo::Ring
+        };
+        let key = PlanKey {
+            kind: op.kind,
+            algo,
+            count: op.count,
+            chunk,
+        };
+        let plan = self.plan(key);
+        trace!(rank = self.rank, seq, op = op.kind.name(), count = op.count, dtype = %op.dtype, algo = algo.name(), "run");
+        let started = Instant::now();
+        let ctx = WaitCtx {
+            rank: self.rank,
+            collective: op.kind.name(),
+            seq,
+            deadline: started + self.config.timeout,
+            started,
+            abort: &self.abort,
+        };
+        let bufs = Bufs { op, es };
+        let result = match &self.transport {
+            Some(t) => {
+                t.set_tag(seq as u32);
+                plan.iter().try_for_each(|a| step(t, &ctx, &bufs, a))
+            }
+            None => plan.iter().try_for_each(|a| local_step(&bufs, a)),
+        };
+        self.cache = Some((key, plan));
+        result
+    }
+}
+
+fn local_step(bufs: &Bufs<'_>, a: &Action) -> Result<(), Error> {
+    match a {
+        Action::Copy { src, dst } => {
+            if !bufs.same(src, dst) {
+                bufs.output(dst).copy_from_slice(bufs.input(src));
+            }
+            Ok(())
+        }
+        other => unreachable!("a one-rank schedule only copies, got {other:?}"),
+    }
+}
+
+fn expect_len(ctx: &WaitCtx<'_>, peer: usize, got: usize, want: usize) -> Result<(), Error> {
+    if got == want {
+        return Ok(());
+    }
+    Err(Error::Mismatch {
+        rank: ctx.rank,
+        peer,
+        collective: ctx.collective.to_string(),
+        seq: ctx.seq,
+        detail: format!(
+            "received {got} bytes where {want} were expected (different counts or dtypes?)"
+        ),
+    })
+}
+
+/// Executes one action.
+fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Result<(), Error> {
+    let op = bufs.op;
+    let (dtype, es, acc) = (op.dtype, bufs.es, op.dtype.accumulator().size());
+    match a {
+        Action::Copy { .. } => local_step(bufs, a)?,
+        Action::Send { to, buf, range } => {
+            let mut s = t.send_slot(*to, ctx)?;
+            let src = match buf {
+                Buf::Input => bufs.input(range),
+                Buf::Output => &*bufs.output(range),
+            };
+            s.data()[..src.len()].copy_from_slice(src);
+            s.post(src.len());
+        }
+        Action::SendAcc { to, range } => {
+            let mut s = t.send_slot(*to, ctx)?;
+            let len = range.len() * acc;
+            reduce::to_acc(dtype, &mut s.data()[..len], bufs.input(range));
+            s.post(len);
+        }
+        Action::RecvReduceSend { from, to, range } => {
+            let m = t.recv(*from, ctx)?;
+            let len = range.len() * acc;
+            expect_len(ctx, *from, m.data().len(), len)?;
+            let mut s = t.send_slot(*to, ctx)?;
+            reduce::combine(
+                dtype,
+                op.redop,
+                &mut s.data()[..len],
+                m.data(),
+                bufs.input(range),
+            );
+            s.post(len);
+        }
+        Action::RecvReduceFinal {
+            from,
+            input,
+            output,
+            forward,
+            nranks,
+        } => {
+            let m = t.recv(*from, ctx)?;
+            expect_len(ctx, *from, m.data().len(), input.len() * acc)?;
+            if bufs.same(input, output) {
+                reduce::finalize(
+                    dtype,
+                    op.redop,
+                    *nranks,
+                    bufs.output(output),
+                    m.data(),
+                    Src::Dst,
+                );
+            } else {
+                let src = Src::Buf(bufs.input(input));
+                reduce::finalize(dtype, op.redop, *nranks, bufs.output(output), m.data(), src);
+            }
+            drop(m);
+            if let Some(to) = forward {
+                let mut s = t.send_slot(*to, ctx)?;
+                let out = bufs.output(output);
+                s.data()[..out.len()].copy_from_slice(out);
+                s.post(out.len());
+            }
+        }
+        Action::RecvCopy {
+            from,
+            output,
+            forward,
+        } => {
+            let m = t.recv(*from, ctx)?;
+            expect_len(ctx, *from, m.data().len(), output.len() * es)?;
+            bufs.output(output).copy_from_slice(m.data());
+            if let Some(to) = forward {
+                let mut s = t.send_slot(*to, ctx)?;
+                s.data()[..m.data().len()].copy_from_slice(m.data());
+                s.post(m.data().len());
+            }
+        }
+        Action::RecvReduceAll { range, nranks } => {
+            let mut slots = Vec::with_capacity(*nranks);
+            for p in 0..*nranks {
+                if p == ctx.rank {
+                    slots.push(None);
+                } else {
+                    let m = t.recv(p, ctx)?;
+                    expect_len(ctx, p, m.data().len(), range.len() * es)?;
+                    slots.push(Some(m));
+                }
+            }
+            let own = if bufs.same(range, range) {
+                Src::Dst
+            } else {
+                Src::Buf(bufs.input(range))
+            };
+            let srcs: Vec<Src<'_>> = slots
+                .iter()
+                .map(|m| m.as_ref().map_or(own, |m| Src::Buf(m.data())))
+                .collect();
+            reduce::reduce_ordered(dtype, op.redop, bufs.output(range), &srcs);
+        }
+    }
+    Ok(())
+}
