@@ -121,6 +121,7 @@ fn init_logging(config: &Config) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(config.debug.directive()))
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
 }
 
@@ -879,6 +880,3 @@ impl Drop for Communicator {
         }
     }
 }
-
-#[cfg(test)]
-mod tests;

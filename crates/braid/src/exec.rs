@@ -127,6 +127,9 @@ impl Bufs<'_> {
             "input range {b:?} beyond {} bytes",
             self.op.send_len
         );
+        if b.is_empty() {
+            return &[];
+        }
         // SAFETY: in bounds of the send buffer (checked), which `Op::new`'s contract keeps valid; no
         // mutable slice of these bytes is alive while this one is (see the module doc).
         unsafe { std::slice::from_raw_parts(self.op.send.add(b.start), b.len()) }
@@ -139,14 +142,19 @@ impl Bufs<'_> {
             "output range {b:?} beyond {} bytes",
             self.op.recv_len
         );
+        if b.is_empty() {
+            return &mut [];
+        }
         // SAFETY: in bounds of the receive buffer (checked), valid and exclusively ours by `Op::new`'s
         // contract; each action holds at most one slice of these bytes at a time.
         unsafe { std::slice::from_raw_parts_mut(self.op.recv.add(b.start), b.len()) }
     }
     /// Whether `input[i]` and `output[o]` are the same bytes (in-place operation).
     fn same(&self, i: &Range<usize>, o: &Range<usize>) -> bool {
-        self.op.send.wrapping_add(i.start * self.es)
-            == self.op.recv.wrapping_add(o.start * self.es) as *const u8
+        std::ptr::eq(
+            self.op.send.wrapping_add(i.start * self.es),
+            self.op.recv.wrapping_add(o.start * self.es),
+        )
     }
 }
 

@@ -1,0 +1,489 @@
+//! Real processes over real shared memory. This file is its own test harness: run without `BRAID_RANK`
+//! it launches copies of itself as ranks (through `braid run`, or directly where the launcher would get
+//! in the way) and checks how they end; run with `BRAID_RANK` it is a rank and plays the scenario named
+//! by its first argument.
+
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use braid::{Communicator, DType, Error, ReduceOp};
+use braid_core::reduce::{reduce_ordered, Src};
+
+// ---------------------------------------------------------------------------------------------------
+// Rank side.
+
+fn value(op: ReduceOp, i: usize, r: usize) -> f64 {
+    if op == ReduceOp::Prod {
+        1.0 + ((i + r) % 2) as f64
+    } else {
+        ((i * 7 + r * 3) % 17) as f64
+    }
+}
+
+fn fill(buf: &mut [u8], dtype: DType, op: ReduceOp, rank: usize) {
+    for (i, e) in buf.chunks_exact_mut(dtype.size()).enumerate() {
+        let v = value(op, i, rank);
+        match dtype {
+            DType::I8 => e.copy_from_slice(&(v as i8).to_ne_bytes()),
+            DType::U8 => e.copy_from_slice(&(v as u8).to_ne_bytes()),
+            DType::I32 => e.copy_from_slice(&(v as i32).to_ne_bytes()),
+            DType::U32 => e.copy_from_slice(&(v as u32).to_ne_bytes()),
+            DType::I64 => e.copy_from_slice(&(v as i64).to_ne_bytes()),
+            DType::U64 => e.copy_from_slice(&(v as u64).to_ne_bytes()),
+            DType::F16 => e.copy_from_slice(&half::f16::from_f64(v).to_ne_bytes()),
+            DType::BF16 => e.copy_from_slice(&half::bf16::from_f64(v).to_ne_bytes()),
+            DType::F32 => e.copy_from_slice(&(v as f32).to_ne_bytes()),
+            DType::F64 => e.copy_from_slice(&v.to_ne_bytes()),
+        }
+    }
+}
+
+fn inputs(bytes: usize, dtype: DType, op: ReduceOp, world: usize) -> Vec<Vec<u8>> {
+    (0..world)
+        .map(|r| {
+            let mut b = vec![0u8; bytes];
+            fill(&mut b, dtype, op, r);
+            b
+        })
+        .collect()
+}
+
+fn reduced(ins: &[Vec<u8>], dtype: DType, op: ReduceOp) -> Vec<u8> {
+    let mut out = vec![0u8; ins.first().map_or(0, |b| b.len())];
+    let srcs: Vec<Src> = ins.iter().map(|b| Src::Buf(b)).collect();
+    reduce_ordered(dtype, op, &mut out, &srcs);
+    out
+}
+
+fn fnv(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf29ce484222325u64, |h, x| {
+        (h ^ *x as u64).wrapping_mul(0x100000001b3)
+    })
+}
+
+/// Every rank's hash of `out` must be the same bits.
+fn assert_identical(c: &Communicator, out: &[u8], what: &str) {
+    let mut all = vec![0u64; c.world_size()];
+    c.all_gather(&[fnv(out)], &mut all).unwrap();
+    assert!(
+        all.iter().all(|h| *h == all[0]),
+        "{what}: ranks disagree bitwise: {all:x?}"
+    );
+}
+
+/// A buffer whose data starts one byte past an aligned address, so kernels see unaligned slices.
+fn unaligned(len: usize) -> (Vec<u8>, usize) {
+    (vec![0u8; len + 1], 1)
+}
+
+fn scenario_matrix(c: &Communicator) -> usize {
+    let (rank, world) = (c.rank(), c.world_size());
+    let mut checks = 0;
+    let mut counts = vec![0, 1, world.saturating_sub(1), 7919];
+    counts.dedup();
+    for dtype in DType::ALL {
+        for op in ReduceOp::ALL {
+            let mut cs = counts.clone();
+            if matches!(
+                (dtype, op),
+                (DType::F32, ReduceOp::Sum)
+                    | (DType::BF16, ReduceOp::Avg)
+                    | (DType::I32, ReduceOp::Max)
+            ) {
+                cs.push(1_000_003);
+            }
+            for &count in &cs {
+                let bytes = count * dtype.size();
+                let ins = inputs(bytes, dtype, op, world);
+                let want = reduced(&ins, dtype, op);
+                let what = format!("all_reduce {dtype} {op} count {count}");
+                // Out of place, unaligned on both sides.
+                let (mut sbuf, so) = unaligned(bytes);
+                sbuf[so..].copy_from_slice(&ins[rank]);
+                let (mut rbuf, ro) = unaligned(bytes);
+                c.all_reduce_bytes(&sbuf[so..], &mut rbuf[ro..], dtype, op)
+                    .unwrap();
+                assert!(
+                    rbuf[ro..] == want[..],
+                    "{what}: wrong result (out of place)"
+                );
+                assert_eq!(sbuf[so..], ins[rank][..], "{what}: the send buffer changed");
+                assert_identical(c, &rbuf[ro..], &what);
+                // In place.
+                let mut buf = ins[rank].clone();
+                c.all_reduce_bytes_in_place(&mut buf, dtype, op).unwrap();
+                assert!(buf == want, "{what}: wrong result (in place)");
+                checks += 2;
+            }
+        }
+    }
+    for dtype in [DType::F32, DType::BF16, DType::I8, DType::F64] {
+        let es = dtype.size();
+        for rc in [0usize, 1, 7919] {
+            let op = ReduceOp::Sum;
+            let ins = inputs(world * rc * es, dtype, op, world);
+            let want = reduced(&ins, dtype, op);
+            let mine = &want[rank * rc * es..(rank + 1) * rc * es];
+            let mut out = vec![0u8; rc * es];
+            c.reduce_scatter_bytes(&ins[rank], &mut out, dtype, op)
+                .unwrap();
+            assert!(out == mine, "reduce_scatter {dtype} {rc}");
+            // All-gather of each rank's block gives back the full reduction.
+            let mut all = vec![0u8; world * rc * es];
+            c.all_gather_bytes(&out, &mut all, dtype).unwrap();
+            assert!(all == want, "all_gather {dtype} {rc}");
+            for root in 0..world {
+                let mut b = if rank == root {
+                    ins[rank].clone()
+                } else {
+                    vec![0u8; ins[rank].len()]
+                };
+                let send = b.clone();
+                c.broadcast_bytes(&send, &mut b, dtype, root).unwrap();
+                assert!(b == ins[root], "broadcast {dtype} from {root}");
+                let mut r = vec![0xAAu8; ins[rank].len()];
+                c.reduce_bytes(&ins[rank], &mut r, dtype, op, root).unwrap();
+                if rank == root {
+                    assert!(r == want, "reduce {dtype} to {root}");
+                } else {
+                    assert!(
+                        r.iter().all(|x| *x == 0xAA),
+                        "reduce wrote a non-root buffer"
+                    );
+                }
+                checks += 2;
+            }
+            checks += 2;
+        }
+    }
+    // Typed in-place variants.
+    let mut v: Vec<f32> = (0..world * 5).map(|i| (i + rank) as f32).collect();
+    c.reduce_scatter_in_place(&mut v, ReduceOp::Sum).unwrap();
+    for (j, x) in v[rank * 5..(rank + 1) * 5].iter().enumerate() {
+        let i = rank * 5 + j;
+        let want: f32 = (0..world).map(|r| (i + r) as f32).sum();
+        assert_eq!(*x, want, "reduce_scatter_in_place");
+    }
+    let mut g: Vec<u16> = vec![0; world * 3];
+    g[rank * 3..(rank + 1) * 3].fill(rank as u16 + 1);
+    let mut g32: Vec<u32> = g.iter().map(|x| *x as u32).collect();
+    c.all_gather_in_place(&mut g32).unwrap();
+    assert!(
+        g32.chunks(3)
+            .enumerate()
+            .all(|(r, b)| b.iter().all(|x| *x == r as u32 + 1)),
+        "all_gather_in_place"
+    );
+    // Arbitrary floats: the order of additions matters, the bits must still agree everywhere.
+    let mut x: Vec<f32> = (0..100_003u64)
+        .map(|i| (((i * 2654435761 + rank as u64 * 97) % 100_000) as f32 / 7.3) - 5000.0)
+        .collect();
+    c.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+    assert_identical(c, bytemuck::cast_slice(&x), "random f32 sum");
+    c.barrier().unwrap();
+    checks + 3
+}
+
+fn rank_main(scenario: &str, args: &[String]) -> i32 {
+    let c = match Communicator::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            println!("init failed: {e}");
+            return 1;
+        }
+    };
+    match scenario {
+        "matrix" => {
+            let n = scenario_matrix(&c);
+            println!("rank {} ok: {n} checks", c.rank());
+            0
+        }
+        "small" => {
+            let mut x = [c.rank() as u64 + 1];
+            c.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+            let w = c.world_size() as u64;
+            assert_eq!(x[0], w * (w + 1) / 2);
+            println!("rank {} ok", c.rank());
+            0
+        }
+        "exit-rank" => {
+            let (who, code): (usize, i32) = (args[0].parse().unwrap(), args[1].parse().unwrap());
+            if c.rank() == who {
+                return code;
+            }
+            let _ = c.barrier();
+            std::thread::sleep(Duration::from_secs(120));
+            0
+        }
+        "killed-rank" => {
+            // Rank `victim` dies by SIGKILL in the middle of a stream of large all-reduces.
+            let victim: usize = args[0].parse().unwrap();
+            c.barrier().unwrap();
+            if c.rank() == victim {
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(30));
+                    // SAFETY: sending a signal to ourselves.
+                    unsafe { libc_kill_self() };
+                });
+            }
+            let start = Instant::now();
+            let mut buf = vec![1.0f32; 4 << 20];
+            loop {
+                if let Err(e) = c.all_reduce_in_place(&mut buf, ReduceOp::Sum) {
+                    println!("error after {} ms: {e}", start.elapsed().as_millis());
+                    let ok = matches!(&e, Error::PeerFailed { collective, .. } | Error::Timeout { collective, .. } if collective == "all_reduce");
+                    let later = c.barrier().unwrap_err();
+                    println!("later: {later}");
+                    return if ok && matches!(later, Error::Poisoned { .. }) {
+                        0
+                    } else {
+                        1
+                    };
+                }
+                buf.fill(1.0);
+            }
+        }
+        other => {
+            println!("unknown scenario {other}");
+            2
+        }
+    }
+}
+
+/// SIGKILL to this process.
+unsafe fn libc_kill_self() {
+    extern "C" {
+        fn kill(pid: i32, sig: i32) -> i32;
+    }
+    // SAFETY: plain syscall wrapper; 9 is SIGKILL.
+    unsafe {
+        kill(std::process::id() as i32, 9);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Harness side.
+
+fn braid() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_braid"))
+}
+
+fn me() -> PathBuf {
+    std::env::current_exe().unwrap()
+}
+
+fn braid_segments() -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("braid-") && !n.starts_with("braid-test-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn show(o: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn braid_run(n: usize, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(braid());
+    cmd.args(["run", "-n", &n.to_string(), "--"])
+        .arg(me())
+        .args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.env_remove("BRAID_RANK").output().unwrap()
+}
+
+/// Starts `n` ranks directly (no launcher), with `vars(rank)` as their job environment.
+fn spawn_ranks(
+    n: usize,
+    args: &[&str],
+    vars: impl Fn(usize) -> Vec<(String, String)>,
+) -> Vec<Output> {
+    let children: Vec<_> = (0..n)
+        .map(|r| {
+            let mut cmd = Command::new(me());
+            cmd.args(args)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .env_remove("BRAID_RANK");
+            for (k, v) in vars(r) {
+                cmd.env(k, v);
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn test_matrix() {
+    for n in [1, 2, 3, 4, 5, 8] {
+        let start = Instant::now();
+        let o = braid_run(n, &["matrix"], &[("BRAID_TIMEOUT_MS", "60000")]);
+        assert!(
+            o.status.success(),
+            "matrix on {n} ranks failed:\n{}",
+            show(&o)
+        );
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(out.matches(" ok: ").count(), n, "{}", show(&o));
+        println!(
+            "  matrix on {n} ranks: ok ({:.1} s)",
+            start.elapsed().as_secs_f64()
+        );
+    }
+}
+
+fn test_launcher_stops_everyone_when_one_rank_fails() {
+    let start = Instant::now();
+    let o = braid_run(3, &["exit-rank", "1", "7"], &[]);
+    assert!(!o.status.success(), "{}", show(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("rank 1 exited with code 7"), "{}", show(&o));
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "the launcher took {:?}",
+        start.elapsed()
+    );
+}
+
+fn test_killed_rank() {
+    let port = free_port();
+    let timeout_ms = 20_000u64;
+    let start = Instant::now();
+    let outs = spawn_ranks(3, &["killed-rank", "2"], |r| {
+        vec![
+            ("BRAID_RANK".into(), r.to_string()),
+            ("BRAID_WORLD_SIZE".into(), "3".into()),
+            ("BRAID_ROOT".into(), format!("127.0.0.1:{port}")),
+            (
+                "BRAID_SECRET".into(),
+                "0123456789abcdef0123456789abcdef".into(),
+            ),
+            ("BRAID_TIMEOUT_MS".into(), timeout_ms.to_string()),
+        ]
+    });
+    let elapsed = start.elapsed();
+    assert_eq!(
+        outs[2].status.code(),
+        None,
+        "rank 2 should have been killed:\n{}",
+        show(&outs[2])
+    );
+    for o in &outs[..2] {
+        assert!(
+            o.status.success(),
+            "a survivor did not report the failure properly:\n{}",
+            show(o)
+        );
+    }
+    let all: String = outs[..2]
+        .iter()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .collect();
+    assert!(
+        all.contains("rank 2"),
+        "no survivor named the dead rank:\n{all}"
+    );
+    assert!(
+        elapsed < Duration::from_millis(2 * timeout_ms),
+        "survivors took {elapsed:?}"
+    );
+    println!(
+        "  killed rank: survivors failed in {elapsed:?}: {}",
+        all.lines().next().unwrap_or("")
+    );
+}
+
+fn test_torchrun_variables() {
+    let port = free_port();
+    let outs = spawn_ranks(2, &["small"], |r| {
+        vec![
+            ("RANK".into(), r.to_string()),
+            ("WORLD_SIZE".into(), "2".into()),
+            ("MASTER_ADDR".into(), "127.0.0.1".into()),
+            ("MASTER_PORT".into(), port.to_string()),
+        ]
+    });
+    for o in &outs {
+        assert!(o.status.success(), "{}", show(o));
+    }
+}
+
+fn test_perf_runs_and_checks() {
+    let json = std::env::temp_dir().join(format!("braid-perf-{}.json", std::process::id()));
+    let o = Command::new(braid())
+        .args([
+            "perf", "--ranks", "3", "-b", "8", "-e", "1M", "-f", "16", "-n", "2", "-w", "1",
+            "--json",
+        ])
+        .arg(&json)
+        .env_remove("BRAID_RANK")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("Out of bounds values : 0 OK"), "{out}");
+    let text = std::fs::read_to_string(&json).unwrap();
+    std::fs::remove_file(&json).unwrap();
+    assert!(
+        text.contains("\"tool\": \"braid\"") && text.contains("\"size\": 524288"),
+        "{text}"
+    );
+    assert!(!text.contains("\"wrong\": 1"), "{text}");
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if std::env::var_os("BRAID_RANK").is_some() || std::env::var_os("RANK").is_some() {
+        std::process::exit(rank_main(&args[0], &args[1..]));
+    }
+    // libtest flags such as --list or a filter: this harness runs everything or nothing.
+    if args.iter().any(|a| a == "--list") {
+        return;
+    }
+    let before = braid_segments();
+    let tests: [(&str, fn()); 5] = [
+        ("matrix of ranks × dtypes × ops × counts", test_matrix),
+        (
+            "launcher stops everyone when one rank fails",
+            test_launcher_stops_everyone_when_one_rank_fails,
+        ),
+        ("rank killed mid-collective", test_killed_rank),
+        ("torchrun variables", test_torchrun_variables),
+        ("braid perf checks its results", test_perf_runs_and_checks),
+    ];
+    for (name, t) in tests {
+        println!("test {name} ...");
+        t();
+        println!("test {name} ... ok");
+    }
+    let after = braid_segments();
+    let leaked: Vec<_> = after.iter().filter(|n| !before.contains(n)).collect();
+    assert!(
+        leaked.is_empty(),
+        "shared-memory segments left in /dev/shm: {leaked:?}"
+    );
+    println!("test /dev/shm holds no braid segments afterwards ... ok");
+}

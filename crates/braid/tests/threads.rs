@@ -1,0 +1,265 @@
+//! Communicators whose ranks are threads of one process (shared memory works the same between threads):
+//! argument checks, async ops, abort, timeouts, mismatches and the bootstrap's defences.
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use braid::{Communicator, Config, DType, Error, ReduceOp, UniqueId};
+
+fn config(timeout_ms: u64) -> Config {
+    Config {
+        timeout: Duration::from_millis(timeout_ms),
+        ..Config::default()
+    }
+}
+
+/// Runs `f` on `n` ranks, each a thread with its own communicator.
+fn with_ranks<R: Send + 'static>(
+    n: usize,
+    cfg: Config,
+    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let id = UniqueId::new().unwrap();
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|r| {
+            let (id, cfg, f) = (id.clone(), cfg.clone(), f.clone());
+            std::thread::spawn(move || f(Communicator::init(n, r, &id, cfg).expect("init")))
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread"))
+        .collect()
+}
+
+#[test]
+fn invalid_arguments_change_nothing_and_leave_the_communicator_usable() {
+    with_ranks(2, config(20_000), |c| {
+        let send = vec![1.0f32; 8];
+        let mut recv = vec![7.0f32; 9];
+        let e = c.all_reduce(&send, &mut recv, ReduceOp::Sum).unwrap_err();
+        assert!(
+            e.is_invalid_argument() && e.to_string().contains("send buffer has 32 bytes"),
+            "{e}"
+        );
+        assert!(
+            recv.iter().all(|v| *v == 7.0),
+            "a rejected call wrote its output"
+        );
+        let e = c.broadcast_in_place(&mut recv, 2).unwrap_err();
+        assert!(e.to_string().contains("root 2 is out of range"), "{e}");
+        let e = c.reduce(&send, &mut recv, ReduceOp::Sum, 5).unwrap_err();
+        assert!(e.to_string().contains("root 5"), "{e}");
+        let mut odd = vec![0u8; 7];
+        let e = c
+            .all_reduce_bytes_in_place(&mut odd, DType::F32, ReduceOp::Sum)
+            .unwrap_err();
+        assert!(e.to_string().contains("not a whole number of float"), "{e}");
+        let e = c
+            .reduce_scatter(&send, &mut recv[..3], ReduceOp::Sum)
+            .unwrap_err();
+        assert!(e.to_string().contains("world × 3"), "{e}");
+        let e = c.all_gather(&send, &mut recv).unwrap_err();
+        assert!(e.to_string().contains("world × 8"), "{e}");
+        let e = c
+            .reduce_scatter_in_place(&mut recv, ReduceOp::Sum)
+            .unwrap_err();
+        assert!(e.to_string().contains("do not split"), "{e}");
+        assert!(c.async_error().is_none());
+        // Still usable, and sequence numbers did not move on any rank.
+        let mut x = vec![c.rank() as f32 + 1.0; 5];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+        assert_eq!(x, vec![3.0; 5]);
+    });
+}
+
+#[test]
+fn init_rejects_bad_ranks() {
+    let id = UniqueId::new().unwrap();
+    let e = Communicator::init(2, 2, &id, Config::default())
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("rank 2 is out of range"), "{e}");
+    let e = Communicator::init(0, 0, &id, Config::default())
+        .err()
+        .unwrap();
+    assert!(e.is_invalid_argument());
+}
+
+#[test]
+fn async_ops_run_in_order_with_blocking_ones() {
+    let results = with_ranks(3, config(20_000), |c| {
+        let r = c.rank() as i64;
+        let w1 = c.all_reduce_async(vec![r; 1000], ReduceOp::Sum);
+        let w2 = c.all_gather_async(vec![r * 10; 3]);
+        let w3 = c.broadcast_async(vec![r + 100; 70_000], 1).unwrap();
+        let mut x = [r];
+        c.all_reduce_in_place(&mut x, ReduceOp::Max).unwrap();
+        let b = c.barrier_async();
+        let a = w1.wait().unwrap();
+        let g = w2.wait().unwrap();
+        let bc = w3.wait().unwrap();
+        b.wait().unwrap();
+        (a, g, bc, x[0])
+    });
+    for (a, g, bc, m) in results {
+        assert!(a.iter().all(|v| *v == 3));
+        assert_eq!(g, vec![0, 0, 0, 10, 10, 10, 20, 20, 20]);
+        assert!(bc.iter().all(|v| *v == 101));
+        assert_eq!(m, 2);
+    }
+}
+
+#[test]
+fn work_test_reports_completion() {
+    with_ranks(2, config(20_000), |c| {
+        let w = c.all_reduce_async(vec![1u32; 10], ReduceOp::Sum);
+        let start = Instant::now();
+        while !w.test() {
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "async op never completed"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(w.wait().unwrap(), vec![2u32; 10]);
+    });
+}
+
+#[test]
+fn a_silent_peer_times_out_naming_it_and_the_error_sticks() {
+    let out = with_ranks(2, config(300), |c| {
+        if c.rank() == 1 {
+            // Never joins the collective; waits until rank 0 has given up.
+            std::thread::sleep(Duration::from_millis(1500));
+            return None;
+        }
+        let mut x = vec![1.0f64; 100];
+        let e = c.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap_err();
+        let later = c.barrier().unwrap_err();
+        Some((e, later, c.async_error()))
+    });
+    let (e, later, sticky) = out[0].clone().unwrap();
+    assert!(
+        matches!(&e, Error::Timeout { rank: 0, peer: 1, seq: 0, collective, .. } if collective == "all_reduce"),
+        "{e}"
+    );
+    assert!(matches!(later, Error::Poisoned { .. }), "{later}");
+    assert_eq!(sticky, Some(e));
+}
+
+#[test]
+fn abort_from_another_thread_unblocks_a_collective() {
+    let out = with_ranks(2, config(60_000), |c| {
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(1000));
+            // By now rank 0 aborted: this rank learns it from the shared segment, not from a timeout.
+            let mut x = vec![0u8; 1 << 20];
+            let start = Instant::now();
+            let e = c.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap_err();
+            return (e, start.elapsed());
+        }
+        let c = Arc::new(c);
+        let c2 = c.clone();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            c2.abort();
+        });
+        let start = Instant::now();
+        let mut x = vec![0u8; 1 << 20];
+        let e = c.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap_err();
+        t.join().unwrap();
+        (e, start.elapsed())
+    });
+    assert!(
+        matches!(out[0].0, Error::Aborted { rank: 0, .. }),
+        "{}",
+        out[0].0
+    );
+    assert!(
+        out[0].1 < Duration::from_secs(20),
+        "abort took {:?}",
+        out[0].1
+    );
+    assert!(
+        matches!(out[1].0, Error::PeerFailed { peer: 0, .. }),
+        "{}",
+        out[1].0
+    );
+    assert!(
+        out[1].1 < Duration::from_secs(20),
+        "peer failure noticed after {:?}",
+        out[1].1
+    );
+}
+
+#[test]
+fn mismatched_counts_are_an_error_not_a_hang() {
+    let out = with_ranks(2, config(3_000), |c| {
+        let mut x = vec![1.0f32; if c.rank() == 0 { 100 } else { 200 }];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum).err()
+    });
+    let errs: Vec<String> = out.iter().flatten().map(|e| e.to_string()).collect();
+    assert!(!errs.is_empty(), "a mismatch went unnoticed");
+    assert!(
+        out.iter()
+            .flatten()
+            .any(|e| matches!(e, Error::Mismatch { .. } | Error::PeerFailed { .. })),
+        "{errs:?}"
+    );
+}
+
+#[test]
+fn bootstrap_refuses_wrong_secrets_and_garbage_but_still_forms() {
+    let id = UniqueId::new().unwrap();
+    let addr = id.addr();
+    // Strays: a wrong secret, garbage bytes and a silent connection, before the real ranks.
+    let wrong: UniqueId = format!("{addr}/{}", "ab".repeat(16)).parse().unwrap();
+    let stray = std::thread::spawn(move || {
+        Communicator::init(2, 1, &wrong, config(3000))
+            .err()
+            .unwrap()
+    });
+    let mut garbage = TcpStream::connect(addr).unwrap();
+    garbage.write_all(&[0xff; 64]).unwrap();
+    let _silent = TcpStream::connect(addr).unwrap();
+    let ranks: Vec<_> = (0..2)
+        .map(|r| {
+            let id = id.clone();
+            std::thread::spawn(move || {
+                let c = Communicator::init(2, r, &id, config(20_000)).unwrap();
+                let mut x = [1i32];
+                c.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+                x[0]
+            })
+        })
+        .collect();
+    for r in ranks {
+        assert_eq!(r.join().unwrap(), 2);
+    }
+    let e = stray.join().unwrap();
+    assert!(e.to_string().contains("wrong secret"), "{e}");
+}
+
+#[test]
+fn bootstrap_times_out_naming_missing_ranks() {
+    let id = UniqueId::new().unwrap();
+    let e = Communicator::init(3, 0, &id, config(300)).err().unwrap();
+    assert!(e.to_string().contains("ranks [1, 2]"), "{e}");
+}
+
+#[test]
+fn world_of_one_copies() {
+    with_ranks(1, config(1000), |c| {
+        let send = [1.5f32, 2.5];
+        let mut recv = [0f32; 2];
+        c.all_reduce(&send, &mut recv, ReduceOp::Avg).unwrap();
+        assert_eq!(recv, send);
+        c.all_gather(&send, &mut recv).unwrap();
+        assert_eq!(recv, send);
+        c.barrier().unwrap();
+    });
+}
