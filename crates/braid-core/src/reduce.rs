@@ -305,56 +305,78 @@ pub fn finalize(
 pub fn reduce_ordered(dtype: DType, op: ReduceOp, dst: &mut [u8], srcs: &[Src<'_>]) {
     assert!(!srcs.is_empty(), "reduce_ordered needs at least one source");
     let avg = op == ReduceOp::Avg;
-    let nranks = srcs.len();
-    with_type!(dtype, T => with_op!(op, f => {
-        type A = <T as Elem>::A;
-        let es = size_of::<T>();
-        let n = dst.len() / es;
-        assert_eq!(dst.len(), n * es, "destination length");
-        for s in srcs {
-            if let Src::Buf(b) = s {
-                assert_eq!(b.len(), dst.len(), "source length");
-            }
+    for s in srcs {
+        if let Src::Buf(b) = s {
+            assert_eq!(b.len(), dst.len(), "source length");
         }
-        let mut acc = [A::zeroed(); BLOCK];
-        let mut tmp = [T::zeroed(); BLOCK];
-        let mut start = 0;
-        while start < n {
-            let len = BLOCK.min(n - start);
-            let range = start * es..(start + len) * es;
-            for (i, s) in srcs.iter().enumerate() {
-                let bytes = match s {
-                    Src::Buf(b) => &b[range.clone()],
-                    Src::Dst => &dst[range.clone()],
-                };
-                let x = view(bytes, &mut tmp);
-                let acc = &mut acc[..len];
-                if i == 0 {
-                    for (a, x) in acc.iter_mut().zip(x) {
-                        *a = x.load();
-                    }
-                } else {
-                    for (a, x) in acc.iter_mut().zip(x) {
-                        *a = f(*a, x.load());
-                    }
-                }
-            }
-            let out = &mut dst[range];
-            let write = |d: &mut [T]| {
-                for (d, a) in d.iter_mut().zip(&acc[..len]) {
-                    *d = T::store(if avg { a.div_n(nranks) } else { *a });
-                }
-            };
-            match bytemuck::try_cast_slice_mut::<u8, T>(out) {
-                Ok(d) => write(d),
-                Err(_) => {
-                    write(&mut tmp[..len]);
-                    out.copy_from_slice(bytemuck::cast_slice(&tmp[..len]));
-                }
-            }
-            start += len;
+    }
+    with_type!(dtype, T => with_op!(op, f => {
+        assert_eq!(dst.len() % size_of::<T>(), 0, "destination length");
+        // Small messages (the latency path) get small stack blocks: nothing to clear but what is used.
+        if dst.len() <= SMALL * size_of::<T>() {
+            ordered::<T, SMALL>(f, avg, dst, srcs)
+        } else {
+            ordered::<T, BLOCK>(f, avg, dst, srcs)
         }
     }))
+}
+
+const SMALL: usize = 16;
+
+#[inline(always)]
+fn ordered<T: Elem, const B: usize>(
+    f: impl Fn(T::A, T::A) -> T::A,
+    avg: bool,
+    dst: &mut [u8],
+    srcs: &[Src<'_>],
+) {
+    let es = size_of::<T>();
+    let n = dst.len() / es;
+    let nranks = srcs.len();
+    let mut acc = [T::A::zeroed(); B];
+    let mut tmp = [T::zeroed(); B];
+    let mut start = 0;
+    while start < n {
+        let len = B.min(n - start);
+        let range = start * es..(start + len) * es;
+        for (i, s) in srcs.iter().enumerate() {
+            let bytes = match s {
+                Src::Buf(b) => &b[range.clone()],
+                Src::Dst => &dst[range.clone()],
+            };
+            let x: &[T] = match bytemuck::try_cast_slice(bytes) {
+                Ok(x) => x,
+                Err(_) => {
+                    bytemuck::cast_slice_mut(&mut tmp[..len]).copy_from_slice(bytes);
+                    &tmp[..len]
+                }
+            };
+            let acc = &mut acc[..len];
+            if i == 0 {
+                for (a, x) in acc.iter_mut().zip(x) {
+                    *a = x.load();
+                }
+            } else {
+                for (a, x) in acc.iter_mut().zip(x) {
+                    *a = f(*a, x.load());
+                }
+            }
+        }
+        let out = &mut dst[range];
+        let write = |d: &mut [T]| {
+            for (d, a) in d.iter_mut().zip(&acc[..len]) {
+                *d = T::store(if avg { a.div_n(nranks) } else { *a });
+            }
+        };
+        match bytemuck::try_cast_slice_mut::<u8, T>(out) {
+            Ok(d) => write(d),
+            Err(_) => {
+                write(&mut tmp[..len]);
+                out.copy_from_slice(bytemuck::cast_slice(&tmp[..len]));
+            }
+        }
+        start += len;
+    }
 }
 
 #[cfg(test)]

@@ -29,7 +29,9 @@ const MAGIC: u64 = u64::from_le_bytes(*b"BRAIDshm");
 const VERSION: u32 = 1;
 const HEADER: usize = 4096;
 const CTRL: usize = 256;
-const SLOT_HDR: usize = 64;
+/// Slot header: sequence number (the flag the receiver polls), length, tag; the payload follows in the
+/// same cache line, so a small message crosses between cores as one line.
+const SLOT_HDR: usize = 16;
 const CACHE_LINE: usize = 64;
 
 // Header offsets.
@@ -42,9 +44,14 @@ const H_SLOTS: usize = 24;
 const H_SLOT_BYTES: usize = 28;
 const H_FAILED: usize = 64;
 
-// Channel control offsets: the sender's line and the receiver's line.
-const C_POSTED: usize = 0;
-const C_RECV_WAITING: usize = 4;
+// Slot header offsets.
+const S_SEQ: usize = 0;
+const S_LEN: usize = 4;
+const S_TAG: usize = 8;
+
+// Channel control offsets, one cache line each: set by a receiver about to sleep; the credit counter
+// (messages consumed) and the flag of a sender about to sleep.
+const C_RECV_WAITING: usize = 0;
 const C_CONSUMED: usize = 128;
 const C_SEND_WAITING: usize = 132;
 
@@ -61,7 +68,7 @@ pub struct Layout {
 
 impl Layout {
     fn slot_stride(&self) -> usize {
-        SLOT_HDR + self.slot_bytes.next_multiple_of(CACHE_LINE)
+        (SLOT_HDR + self.slot_bytes).next_multiple_of(CACHE_LINE)
     }
     fn channel_stride(&self) -> usize {
         CTRL + self.slots * self.slot_stride()
@@ -249,7 +256,12 @@ impl Segment {
         self.word(H_FAILED).load(Ordering::Acquire) != 0
     }
 
-    /// Raw pointer to slot `index` of the channel from `from`: its 64-byte header, then the payload.
+    /// The sequence word of slot `index` of the channel from `from`.
+    fn slot_seq(&self, from: usize, index: usize) -> &AtomicU32 {
+        self.word(self.layout.slot(from, index) + S_SEQ)
+    }
+
+    /// Raw pointer to slot `index` of the channel from `from`: its header, then the payload.
     fn slot_ptr(&self, from: usize, index: usize) -> *mut u8 {
         let off = self.layout.slot(from, index);
         assert!(off + self.layout.slot_stride() <= self.layout.size());
@@ -292,9 +304,11 @@ impl Mappings {
     pub fn wake_all(&self) {
         for (p, peer) in self.peers.iter().enumerate() {
             if let Some(peer) = peer {
-                futex_wake(self.own.ctrl(p, C_POSTED));
+                for i in 0..self.own.layout.slots {
+                    futex_wake(self.own.slot_seq(p, i));
+                    futex_wake(peer.slot_seq(self.rank, i));
+                }
                 futex_wake(self.own.ctrl(p, C_CONSUMED));
-                futex_wake(peer.ctrl(self.rank, C_POSTED));
                 futex_wake(peer.ctrl(self.rank, C_CONSUMED));
             }
         }
@@ -309,6 +323,8 @@ pub struct ShmTransport {
     policy: WaitPolicy,
     sent: Vec<Cell<u32>>,
     recvd: Vec<Cell<u32>>,
+    /// The last credit counter read from each peer, so a sender with credits left reads nothing remote.
+    credit_seen: Vec<Cell<u32>>,
     reserved: Vec<Cell<bool>>,
     tag: Cell<u32>,
 }
@@ -328,6 +344,7 @@ impl ShmTransport {
             policy,
             sent: (0..n).map(|_| Cell::new(0)).collect(),
             recvd: (0..n).map(|_| Cell::new(0)).collect(),
+            credit_seen: (0..n).map(|_| Cell::new(0)).collect(),
             reserved: (0..n).map(|_| Cell::new(false)).collect(),
             tag: Cell::new(0),
         }
@@ -372,16 +389,23 @@ impl ShmTransport {
         let consumed = seg.ctrl(me, C_CONSUMED);
         let s = self.sent[to].get();
         let slots = self.layout.slots as u32;
-        wait_until(
-            &self.policy,
-            ctx,
-            to,
-            "a free slot",
-            consumed,
-            seg.ctrl(me, C_SEND_WAITING),
-            || s.wrapping_sub(consumed.load(Ordering::Acquire)) < slots,
-            || self.check_peer(ctx, to),
-        )?;
+        if s.wrapping_sub(self.credit_seen[to].get()) >= slots {
+            let has_credit = || {
+                let c = consumed.load(Ordering::Acquire);
+                self.credit_seen[to].set(c);
+                s.wrapping_sub(c) < slots
+            };
+            wait_until(
+                &self.policy,
+                ctx,
+                to,
+                "a free slot",
+                consumed,
+                seg.ctrl(me, C_SEND_WAITING),
+                has_credit,
+                || self.check_peer(ctx, to),
+            )?;
+        }
         let ptr = seg.slot_ptr(me, (s % slots) as usize);
         self.reserved[to].set(true);
         // SAFETY: the slot is ours until posted: the receiver has consumed it (credit checked above) and
@@ -399,25 +423,27 @@ impl ShmTransport {
     /// Waits for the next message from `from` and returns it in place.
     pub fn recv(&self, from: usize, ctx: &WaitCtx<'_>) -> Result<RecvSlot<'_>, Error> {
         let own = &self.maps.own;
-        let posted = own.ctrl(from, C_POSTED);
         let r = self.recvd[from].get();
+        let index = (r % self.layout.slots as u32) as usize;
+        let seq = own.slot_seq(from, index);
+        let want = r.wrapping_add(1);
         wait_until(
             &self.policy,
             ctx,
             from,
             "data",
-            posted,
+            seq,
             own.ctrl(from, C_RECV_WAITING),
-            || posted.load(Ordering::Acquire) != r,
+            || seq.load(Ordering::Acquire) == want,
             || self.check_peer(ctx, from),
         )?;
-        let ptr = own.slot_ptr(from, (r % self.layout.slots as u32) as usize);
-        // SAFETY: the slot header is within the mapping; the sender finished writing it before the
-        // Release store of `posted` that the Acquire load above observed.
+        let ptr = own.slot_ptr(from, index);
+        // SAFETY: the slot header is within the mapping; the sender wrote it before the Release store of
+        // the sequence word that the Acquire load above observed.
         let (len, tag) = unsafe {
             (
-                (ptr as *const u32).read_volatile(),
-                (ptr as *const u32).add(1).read_volatile(),
+                ptr.add(S_LEN).cast::<u32>().read_volatile(),
+                ptr.add(S_TAG).cast::<u32>().read_volatile(),
             )
         };
         let mismatch = |detail: String| Error::Mismatch {
@@ -473,17 +499,21 @@ impl SendSlot<'_> {
         );
         let t = self.t;
         let me = t.maps.rank;
-        // SAFETY: `hdr` points at this slot's 64-byte header, which we own until the store below.
+        // SAFETY: `hdr` points at this slot's header, which we own until the store below.
         unsafe {
-            (self.hdr as *mut u32).write_volatile(len as u32);
-            (self.hdr as *mut u32).add(1).write_volatile(t.tag.get());
+            self.hdr.add(S_LEN).cast::<u32>().write_volatile(len as u32);
+            self.hdr
+                .add(S_TAG)
+                .cast::<u32>()
+                .write_volatile(t.tag.get());
         }
         let seg = t.peer(self.to);
-        let s = t.sent[self.to].get().wrapping_add(1);
-        t.sent[self.to].set(s);
-        seg.ctrl(me, C_POSTED).store(s, Ordering::SeqCst);
+        let s = t.sent[self.to].get();
+        t.sent[self.to].set(s.wrapping_add(1));
+        let seq = seg.slot_seq(me, (s % t.layout.slots as u32) as usize);
+        seq.store(s.wrapping_add(1), Ordering::SeqCst);
         if seg.ctrl(me, C_RECV_WAITING).load(Ordering::SeqCst) != 0 {
-            futex_wake(seg.ctrl(me, C_POSTED));
+            futex_wake(seq);
         }
     }
 }
