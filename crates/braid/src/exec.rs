@@ -13,7 +13,7 @@ use std::time::Instant;
 use braid_core::reduce::{self, Src};
 use braid_core::{Config, DType, Error, ReduceOp};
 use braid_sched::{direct, ring, Action, Buf};
-use braid_transport::shm::ShmTransport;
+use braid_transport::shm::{RecvSlot, ShmTransport};
 use braid_transport::WaitCtx;
 use tracing::trace;
 
@@ -385,27 +385,53 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
             }
         }
         Action::RecvReduceAll { range, nranks } => {
-            let mut slots = Vec::with_capacity(*nranks);
-            for p in 0..*nranks {
-                if p == ctx.rank {
-                    slots.push(None);
-                } else {
-                    let m = t.recv(p, ctx)?;
-                    expect_len(ctx, p, m.data().len(), range.len() * es)?;
-                    slots.push(Some(m));
-                }
-            }
-            let own = if bufs.same(range, range) {
-                Src::Dst
+            // Up to 8 ranks (the latency-bound case) without touching the allocator.
+            if *nranks <= 8 {
+                let mut slots: [Option<RecvSlot<'_>>; 8] = Default::default();
+                reduce_all(t, ctx, bufs, range, &mut slots[..*nranks])?;
             } else {
-                Src::Buf(bufs.input(range))
-            };
-            let srcs: Vec<Src<'_>> = slots
-                .iter()
-                .map(|m| m.as_ref().map_or(own, |m| Src::Buf(m.data())))
-                .collect();
-            reduce::reduce_ordered(dtype, op.redop, bufs.output(range), &srcs);
+                let mut slots: Vec<Option<RecvSlot<'_>>> = (0..*nranks).map(|_| None).collect();
+                reduce_all(t, ctx, bufs, range, &mut slots)?;
+            }
         }
+    }
+    Ok(())
+}
+
+/// Receives `range` from every other rank and reduces all contributions in rank order into the output.
+fn reduce_all<'t>(
+    t: &'t ShmTransport,
+    ctx: &WaitCtx<'_>,
+    bufs: &Bufs<'_>,
+    range: &Range<usize>,
+    slots: &mut [Option<RecvSlot<'t>>],
+) -> Result<(), Error> {
+    let op = bufs.op;
+    for (p, slot) in slots.iter_mut().enumerate() {
+        if p != ctx.rank {
+            let m = t.recv(p, ctx)?;
+            expect_len(ctx, p, m.data().len(), range.len() * bufs.es)?;
+            *slot = Some(m);
+        }
+    }
+    let own = if bufs.same(range, range) {
+        Src::Dst
+    } else {
+        Src::Buf(bufs.input(range))
+    };
+    fn src<'a>(slot: &'a Option<RecvSlot<'_>>, own: Src<'a>) -> Src<'a> {
+        slot.as_ref().map_or(own, |m| Src::Buf(m.data()))
+    }
+    let out = bufs.output(range);
+    if slots.len() <= 8 {
+        let mut srcs = [Src::Dst; 8];
+        for (s, slot) in srcs.iter_mut().zip(slots.iter()) {
+            *s = src(slot, own);
+        }
+        reduce::reduce_ordered(op.dtype, op.redop, out, &srcs[..slots.len()]);
+    } else {
+        let srcs: Vec<Src<'_>> = slots.iter().map(|s| src(s, own)).collect();
+        reduce::reduce_ordered(op.dtype, op.redop, out, &srcs);
     }
     Ok(())
 }
