@@ -71,6 +71,7 @@ impl Task {
 #[must_use = "a collective's result is only known after wait()"]
 pub struct Work<R> {
     task: Arc<Task>,
+    rank: usize,
     limit: Duration,
     _r: PhantomData<fn() -> R>,
 }
@@ -89,7 +90,7 @@ impl<R: 'static> Work<R> {
         while res.is_none() {
             if self.task.done.wait_until(&mut res, deadline).timed_out() && res.is_none() {
                 return Err(Error::Poisoned {
-                    rank: usize::MAX,
+                    rank: self.rank,
                     first: format!(
                         "{} did not complete within {:?}",
                         self.task.op.kind.name(),
@@ -790,6 +791,7 @@ impl Communicator {
         inner.queued.notify_one();
         Work {
             task,
+            rank: inner.rank,
             limit: inner.config.timeout * 2 + Duration::from_secs(10),
             _r: PhantomData,
         }
