@@ -210,6 +210,12 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
         println!("# {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>8} {:>6}",
             "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "", "(GB/s)", "");
     }
+    // Warm up once at the largest and the smallest size (page faults, slots, caches), as nccl-tests does.
+    for bytes in [max, sizes.first().map_or(0, |s| s / es * es)] {
+        for _ in 0..a.warmup.max(1) {
+            comm.all_reduce_bytes(&send[..bytes], &mut recv[..bytes], dtype, op)?;
+        }
+    }
     let mut total_wrong = 0;
     let mut busbw_sum = 0.0;
     for &size in &sizes {
