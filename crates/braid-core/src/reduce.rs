@@ -233,6 +233,8 @@ fn map<O: Pod, I: Pod, J: Pod>(
         match bytemuck::try_cast_slice_mut::<u8, O>(out) {
             Ok(d) => k(d, x, y),
             Err(_) => {
+                // Kernels may read the destination (in-place accumulation): load it first.
+                bytemuck::cast_slice_mut(&mut td[..len]).copy_from_slice(out);
                 k(&mut td[..len], x, y);
                 out.copy_from_slice(bytemuck::cast_slice(&td[..len]));
             }
@@ -259,6 +261,27 @@ pub fn combine(dtype: DType, op: ReduceOp, dst: &mut [u8], partial: &[u8], input
             *d = f(*p, x.load());
         }
     })))
+}
+
+/// `acc = acc op partial`, both in the accumulator type of `dtype`: merges a received partial into a
+/// rank's running partial.
+pub fn combine_acc(dtype: DType, op: ReduceOp, acc: &mut [u8], partial: &[u8]) {
+    with_type!(dtype, T => with_op!(op, f => map::<<T as Elem>::A, <T as Elem>::A, u8>(acc, partial, None, |d, p, _| {
+        for (d, p) in d.iter_mut().zip(p) {
+            *d = f(*d, *p);
+        }
+    })))
+}
+
+/// `dst = finish(acc)`: rounds a finished partial (accumulator type) to `dtype`, dividing by `nranks`
+/// for avg.
+pub fn finish_acc(dtype: DType, op: ReduceOp, nranks: usize, dst: &mut [u8], acc: &[u8]) {
+    let avg = op == ReduceOp::Avg;
+    with_type!(dtype, T => map::<T, <T as Elem>::A, u8>(dst, acc, None, |d, a, _| {
+        for (d, a) in d.iter_mut().zip(a) {
+            *d = T::store(if avg { a.div_n(nranks) } else { *a });
+        }
+    }))
 }
 
 /// `dst = finish(partial op input)`: the last contribution of a chain of `nranks`, rounded to `dtype`

@@ -103,6 +103,35 @@ pub enum Action {
         /// Number of ranks.
         nranks: usize,
     },
+    /// `scratch[range] = to_acc(input[range])`: start a partial in the rank's scratch buffer (accumulator
+    /// type, indexed like the input). Algorithms that combine several partials at one rank (trees,
+    /// recursive halving) accumulate there.
+    LoadAcc {
+        /// Elements loaded.
+        range: Range<usize>,
+    },
+    /// Receive a partial (accumulator type) from `from` and combine it into `scratch[range]`
+    /// (`scratch = scratch op partial`).
+    RecvCombine {
+        /// Sending rank.
+        from: usize,
+        /// Elements combined.
+        range: Range<usize>,
+    },
+    /// Send `scratch[range]` (accumulator type) to `to`.
+    SendScratch {
+        /// Receiving rank.
+        to: usize,
+        /// Elements sent.
+        range: Range<usize>,
+    },
+    /// `output[range] = finish(scratch[range])`: round to the dtype and divide for avg over `nranks`.
+    FinishScratch {
+        /// Elements finished.
+        range: Range<usize>,
+        /// Contributions in the reduction.
+        nranks: usize,
+    },
 }
 
 /// Splits `count` elements into `parts` contiguous ranges whose lengths differ by at most one.

@@ -96,6 +96,7 @@ pub fn run(
     };
     let mut outputs = vec![vec![0u8; out_count * es]; n];
     let mut pc = vec![0usize; n];
+    let mut scratch: Vec<Vec<u8>> = vec![Vec::new(); n];
     let mut bytes_sent = vec![0usize; n];
     let mut messages = vec![0usize; n];
     loop {
@@ -115,6 +116,9 @@ pub fn run(
                     Action::RecvReduceAll { .. } => {
                         (0..n).filter(|p| *p != r).all(|p| net.has(p, r))
                     }
+                    Action::LoadAcc { .. } | Action::FinishScratch { .. } => true,
+                    Action::RecvCombine { from, .. } => net.has(*from, r),
+                    Action::SendScratch { to, .. } => net.room(r, *to),
                 };
                 if !ready {
                     break;
@@ -189,6 +193,25 @@ pub fn run(
                         debug_assert_eq!(srcs.len(), *nranks);
                         reduce::reduce_ordered(dtype, op, &mut outputs[r][b(range, es)], &srcs);
                     }
+                    Action::LoadAcc { range } => {
+                        grow(&mut scratch[r], range.end * acc);
+                        reduce::to_acc(dtype, &mut scratch[r][b(range, acc)], &input[b(range, es)]);
+                    }
+                    Action::RecvCombine { from, range } => {
+                        let m = net.pop(*from, r, range.len() * acc)?;
+                        grow(&mut scratch[r], range.end * acc);
+                        reduce::combine_acc(dtype, op, &mut scratch[r][b(range, acc)], &m);
+                    }
+                    Action::SendScratch { to, range } => {
+                        grow(&mut scratch[r], range.end * acc);
+                        let m = scratch[r][b(range, acc)].to_vec();
+                        send(*to, m, &mut net);
+                    }
+                    Action::FinishScratch { range, nranks } => {
+                        grow(&mut scratch[r], range.end * acc);
+                        let out = &mut outputs[r][b(range, es)];
+                        reduce::finish_acc(dtype, op, *nranks, out, &scratch[r][b(range, acc)]);
+                    }
                 }
                 pc[r] += 1;
                 progressed = true;
@@ -208,5 +231,11 @@ pub fn run(
         if !progressed {
             return Err(SimError::Deadlock(pc));
         }
+    }
+}
+
+fn grow(v: &mut Vec<u8>, len: usize) {
+    if v.len() < len {
+        v.resize(len, 0);
     }
 }

@@ -114,6 +114,7 @@ impl Op {
 struct Bufs<'a> {
     op: &'a Op,
     es: usize,
+    scratch: std::cell::RefCell<&'a mut [u8]>,
 }
 
 impl Bufs<'_> {
@@ -167,6 +168,9 @@ pub(crate) struct Executor {
     abort: Arc<AtomicBool>,
     seq: u64,
     cache: Option<(PlanKey, Vec<Action>)>,
+    /// Accumulator-typed scratch for schedules that merge several partials at one rank (u64 words, so
+    /// it is aligned for every accumulator type).
+    scratch: Vec<u64>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -193,6 +197,7 @@ impl Executor {
             abort,
             seq: 0,
             cache: None,
+            scratch: Vec::new(),
         }
     }
 
@@ -265,7 +270,18 @@ impl Executor {
             started,
             abort: &self.abort,
         };
-        let bufs = Bufs { op, es };
+        let acc_bytes = (op.send_len / es).saturating_mul(op.dtype.accumulator().size());
+        if plan.iter().any(|a| matches!(a, Action::LoadAcc { .. }))
+            && self.scratch.len() * 8 < acc_bytes
+        {
+            self.scratch.resize(acc_bytes.div_ceil(8), 0);
+        }
+        let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch[..]);
+        let bufs = Bufs {
+            op,
+            es,
+            scratch: std::cell::RefCell::new(scratch),
+        };
         let result = match &self.transport {
             Some(t) => {
                 t.set_tag(seq as u32);
@@ -383,6 +399,42 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
                 s.data()[..m.data().len()].copy_from_slice(m.data());
                 s.post(m.data().len());
             }
+        }
+        Action::LoadAcc { range } => {
+            let mut sc = bufs.scratch.borrow_mut();
+            reduce::to_acc(
+                dtype,
+                &mut sc[range.start * acc..range.end * acc],
+                bufs.input(range),
+            );
+        }
+        Action::RecvCombine { from, range } => {
+            let m = t.recv(*from, ctx)?;
+            expect_len(ctx, *from, m.data().len(), range.len() * acc)?;
+            let mut sc = bufs.scratch.borrow_mut();
+            reduce::combine_acc(
+                dtype,
+                op.redop,
+                &mut sc[range.start * acc..range.end * acc],
+                m.data(),
+            );
+        }
+        Action::SendScratch { to, range } => {
+            let mut s = t.send_slot(*to, ctx)?;
+            let sc = bufs.scratch.borrow();
+            let src = &sc[range.start * acc..range.end * acc];
+            s.data()[..src.len()].copy_from_slice(src);
+            s.post(src.len());
+        }
+        Action::FinishScratch { range, nranks } => {
+            let sc = bufs.scratch.borrow();
+            reduce::finish_acc(
+                dtype,
+                op.redop,
+                *nranks,
+                bufs.output(range),
+                &sc[range.start * acc..range.end * acc],
+            );
         }
         Action::RecvReduceAll { range, nranks } => {
             // Up to 8 ranks (the latency-bound case) without touching the allocator.

@@ -255,3 +255,26 @@ fn avg_divides_once_and_integers_wrap() {
     );
     assert_eq!(o[0], 144);
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn scratch_accumulation_matches_reference(dtype in dtypes(), op in ops(), nranks in 1usize..9,
+        count in 0usize..1200, off in 0usize..8, seed in any::<u64>()) {
+        // Tree-style: load one contribution, merge the others' partials in, finish.
+        let ins = inputs(dtype, nranks, count, seed);
+        let want = reference(dtype, op, &ins);
+        let acc = dtype.accumulator().size();
+        let mut scratch = at_offset(&vec![0u8; count * acc], off);
+        to_acc(dtype, &mut scratch[off..], &ins[0]);
+        for x in &ins[1..] {
+            let mut p = at_offset(&vec![0u8; count * acc], (off + 3) % 8);
+            to_acc(dtype, &mut p[(off + 3) % 8..], x);
+            combine_acc(dtype, op, &mut scratch[off..], &p[(off + 3) % 8..]);
+        }
+        let mut out = at_offset(&vec![0u8; count * dtype.size()], (off + 5) % 8);
+        finish_acc(dtype, op, nranks, &mut out[(off + 5) % 8..], &scratch[off..]);
+        prop_assert_eq!(&out[(off + 5) % 8..], &want[..]);
+    }
+}
