@@ -216,32 +216,25 @@ fn mismatched_counts_are_an_error_not_a_hang() {
 fn bootstrap_refuses_wrong_secrets_and_garbage_but_still_forms() {
     let id = UniqueId::new().unwrap();
     let addr = id.addr();
-    // Strays: a wrong secret, garbage bytes and a silent connection, before the real ranks.
+    let rank = |r: usize, id: UniqueId| {
+        std::thread::spawn(move || {
+            let c = Communicator::init(2, r, &id, config(20_000)).unwrap();
+            let mut x = [1i32];
+            c.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+            x[0]
+        })
+    };
+    // Rank 0 is waiting for rank 1 when the strays arrive: a wrong secret, garbage, a silent socket.
+    let r0 = rank(0, id.clone());
     let wrong: UniqueId = format!("{addr}/{}", "ab".repeat(16)).parse().unwrap();
-    let stray = std::thread::spawn(move || {
-        Communicator::init(2, 1, &wrong, config(3000))
-            .err()
-            .unwrap()
-    });
+    let e = Communicator::init(2, 1, &wrong, config(10_000)).err().unwrap();
+    assert!(e.to_string().contains("wrong secret"), "{e}");
     let mut garbage = TcpStream::connect(addr).unwrap();
     garbage.write_all(&[0xff; 64]).unwrap();
     let _silent = TcpStream::connect(addr).unwrap();
-    let ranks: Vec<_> = (0..2)
-        .map(|r| {
-            let id = id.clone();
-            std::thread::spawn(move || {
-                let c = Communicator::init(2, r, &id, config(20_000)).unwrap();
-                let mut x = [1i32];
-                c.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
-                x[0]
-            })
-        })
-        .collect();
-    for r in ranks {
-        assert_eq!(r.join().unwrap(), 2);
-    }
-    let e = stray.join().unwrap();
-    assert!(e.to_string().contains("wrong secret"), "{e}");
+    let r1 = rank(1, id);
+    assert_eq!(r0.join().unwrap(), 2);
+    assert_eq!(r1.join().unwrap(), 2);
 }
 
 #[test]
