@@ -2,6 +2,9 @@
 
 mod launch;
 mod perf;
+mod plot;
+mod progress;
+mod tune;
 
 use std::ffi::OsString;
 
@@ -63,6 +66,38 @@ enum Cmd {
         /// Also write the results as JSON to this file.
         #[arg(long)]
         json: Option<String>,
+        /// All-reduce algorithm: ring, tree, rhd, direct, or `all` to measure each (and mark the tuner's
+        /// pick). Default: braid chooses.
+        #[arg(long)]
+        algo: Option<String>,
+        /// Also plot busbw against size (log-log) to this PNG file.
+        #[arg(long)]
+        plot: Option<String>,
+    },
+    /// Measure every all-reduce algorithm at every size and write the fastest per size to a tuning file
+    /// (use it with BRAID_TUNE_FILE).
+    Tune {
+        /// Rank counts to tune for, comma-separated (each is run locally).
+        #[arg(long, default_value = "2,4", value_delimiter = ',')]
+        ranks: Vec<usize>,
+        /// The tuning file to write (tables for other rank counts in it are kept).
+        #[arg(short = 'o', long, default_value = "braid-tune.json")]
+        output: String,
+        /// Smallest size in bytes.
+        #[arg(short = 'b', long = "minbytes", default_value = "8", value_parser = perf::parse_size)]
+        min_bytes: usize,
+        /// Largest size in bytes.
+        #[arg(short = 'e', long = "maxbytes", default_value = "64M", value_parser = perf::parse_size)]
+        max_bytes: usize,
+        /// Size multiplication factor between steps.
+        #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
+        factor: usize,
+        /// Timed iterations per point.
+        #[arg(short = 'n', long = "iters", default_value_t = 10)]
+        iters: usize,
+        /// Warm-up iterations per point.
+        #[arg(short = 'w', long = "warmup_iters", default_value_t = 3)]
+        warmup: usize,
     },
 }
 
@@ -70,6 +105,25 @@ fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
         Cmd::Run { n, command } => launch::run(n, &command[0], &command[1..], &[]),
+        Cmd::Tune {
+            ranks,
+            output,
+            min_bytes,
+            max_bytes,
+            factor,
+            iters,
+            warmup,
+        } => {
+            let args = tune::TuneArgs {
+                min_bytes,
+                max_bytes,
+                factor,
+                iters,
+                warmup,
+                output,
+            };
+            tune_main(&ranks, &args)
+        }
         Cmd::Perf {
             ranks,
             min_bytes,
@@ -81,12 +135,17 @@ fn main() {
             op,
             check,
             json,
+            algo,
+            plot,
         } => {
             let args = (|| -> Result<perf::PerfArgs, String> {
                 let dtype: DType = dtype.parse().map_err(|e: braid::Error| e.to_string())?;
                 let op: ReduceOp = op.parse().map_err(|e: braid::Error| e.to_string())?;
                 if min_bytes > max_bytes {
                     return Err(format!("-b {min_bytes} is larger than -e {max_bytes}"));
+                }
+                if let Some(a) = algo.as_deref().filter(|a| *a != "all") {
+                    a.parse::<braid::Algo>().map_err(|e| e.to_string())?;
                 }
                 Ok(perf::PerfArgs {
                     min_bytes,
@@ -98,6 +157,8 @@ fn main() {
                     op,
                     check: check != 0,
                     json,
+                    algo,
+                    plot,
                 })
             })();
             match args {
@@ -150,4 +211,39 @@ fn perf_main(ranks: Option<usize>, args: &perf::PerfArgs) -> i32 {
         }
     }
     launch::run(n, &exe, &rest, &[])
+}
+
+/// Runs `braid tune` as one rank of a job, or launches it for each rank count.
+fn tune_main(ranks: &[usize], args: &tune::TuneArgs) -> i32 {
+    if JobEnv::present() {
+        let comm = match Communicator::from_env() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("braid tune: {e}");
+                return 1;
+            }
+        };
+        return match tune::run(&comm, args) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("braid tune: rank {}: {e}", comm.rank());
+                1
+            }
+        };
+    }
+    let exe = match std::env::current_exe() {
+        Ok(p) => p.into_os_string(),
+        Err(e) => {
+            eprintln!("braid tune: cannot find this executable: {e}");
+            return 1;
+        }
+    };
+    let rest: Vec<OsString> = std::env::args_os().skip(1).collect();
+    for &n in ranks {
+        let code = launch::run(n, &exe, &rest, &[]);
+        if code != 0 {
+            return code;
+        }
+    }
+    0
 }

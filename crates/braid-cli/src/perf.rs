@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use braid::{Communicator, DType, Error, ReduceOp};
+use braid::{Algo, Collective, Communicator, DType, Error, ReduceOp};
 use braid_core::reduce::{self, Src};
 use serde::Serialize;
 
@@ -23,6 +23,9 @@ pub struct PerfArgs {
     pub op: ReduceOp,
     pub check: bool,
     pub json: Option<String>,
+    /// `None`: braid chooses; a name forces it; `all` measures every all-reduce algorithm.
+    pub algo: Option<String>,
+    pub plot: Option<String>,
 }
 
 #[derive(Serialize, Clone, Copy, Default)]
@@ -58,6 +61,7 @@ struct Report {
     iters: usize,
     warmup: usize,
     results: Vec<Row>,
+    algos: Vec<AlgoRow>,
     membw: Vec<Bound>,
 }
 
@@ -174,19 +178,110 @@ fn measure_bound(bytes: usize, iters: usize, dtype: DType) -> f64 {
     t.elapsed().as_secs_f64() / iters as f64
 }
 
+/// One rank's benchmark state: the buffers, reused across sizes.
+struct Bench<'a> {
+    comm: &'a Communicator,
+    a: &'a PerfArgs,
+    send: Vec<u8>,
+    recv: Vec<u8>,
+    factor: f64,
+}
+
+impl Bench<'_> {
+    /// Checks one call against `want` (when checking), then times `iters` calls; the slowest rank's
+    /// average and the wrong elements summed over ranks.
+    fn measure(&mut self, bytes: usize, in_place: bool, want: &[u8]) -> Result<Cell, Error> {
+        let (comm, a) = (self.comm, self.a);
+        let (dtype, op, rank) = (a.dtype, a.op, comm.rank());
+        let (send, recv) = (&mut self.send, &mut self.recv);
+        let once = |send: &mut [u8], recv: &mut [u8]| -> Result<(), Error> {
+            if in_place {
+                comm.all_reduce_bytes_in_place(&mut recv[..bytes], dtype, op)
+            } else {
+                comm.all_reduce_bytes(&send[..bytes], &mut recv[..bytes], dtype, op)
+            }
+        };
+        let mut w = 0;
+        if a.check {
+            fill(&mut send[..bytes], dtype, op, rank);
+            fill(
+                &mut recv[..bytes],
+                dtype,
+                op,
+                if in_place { rank } else { rank + 1000 },
+            );
+            once(send, recv)?;
+            w = wrong(&recv[..bytes], want, dtype.size());
+        }
+        for _ in 0..a.warmup {
+            once(send, recv)?;
+        }
+        comm.barrier()?;
+        let t = Instant::now();
+        for _ in 0..a.iters {
+            once(send, recv)?;
+        }
+        let secs = max_over_ranks(comm, t.elapsed().as_secs_f64() / a.iters.max(1) as f64)?;
+        let wrong = sum_over_ranks(comm, w)?;
+        let algbw = bytes as f64 / secs / 1e9;
+        Ok(Cell {
+            time_us: secs * 1e6,
+            algbw,
+            busbw: algbw * self.factor,
+            wrong,
+        })
+    }
+}
+
+#[derive(Serialize)]
+struct AlgoRow {
+    size: usize,
+    count: usize,
+    pick: &'static str,
+    best: &'static str,
+    algos: std::collections::BTreeMap<&'static str, Cell>,
+}
+
 /// Runs the benchmark as one rank of `comm`; rank 0 prints and writes the report.
 pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let (dtype, op, es) = (a.dtype, a.op, a.dtype.size());
     let sizes = sweep(a.min_bytes, a.max_bytes, a.factor);
     let max = sizes.iter().copied().max().unwrap_or(0) / es * es;
-    let mut send = vec![0u8; max];
-    let mut recv = vec![0u8; max];
     let factor = if world > 1 {
         2.0 * (world - 1) as f64 / world as f64
     } else {
         1.0
     };
+    let mut bench = Bench {
+        comm,
+        a,
+        send: vec![0u8; max],
+        recv: vec![0u8; max],
+        factor,
+    };
+    let all_algos = a.algo.as_deref() == Some("all");
+    if let Some(name) = a.algo.as_deref().filter(|n| *n != "all") {
+        comm.set_algorithm(Collective::AllReduce, Some(name.parse::<Algo>()?))?;
+    }
+    if rank == 0 {
+        println!(
+            "# braid perf: {world} ranks over shared memory, {} {}, {} iterations after {} warm-up",
+            dtype, op, a.iters, a.warmup
+        );
+        if all_algos {
+            print_algo_header();
+        } else {
+            print_header();
+        }
+    }
+    // Warm up once at the largest and the smallest size (page faults, slots, caches), as nccl-tests does.
+    for bytes in [max, sizes.first().map_or(0, |s| s / es * es)] {
+        for _ in 0..a.warmup.max(1) {
+            let (s, r) = (&bench.send[..bytes], &mut bench.recv[..bytes]);
+            comm.all_reduce_bytes(s, r, dtype, op)?;
+        }
+    }
     let mut report = Report {
         tool: "braid",
         ranks: world,
@@ -195,29 +290,12 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
         iters: a.iters,
         warmup: a.warmup,
         results: vec![],
+        algos: vec![],
         membw: vec![],
     };
-    if rank == 0 {
-        println!(
-            "# braid perf: {world} ranks over shared memory, {} {}, {} iterations after {} warm-up",
-            dtype, op, a.iters, a.warmup
-        );
-        println!("#");
-        println!("# {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>8} {:>6}",
-            "", "", "", "", "", "out-of-place", "", "", "", "in-place", "", "", "", "bound", "");
-        println!("# {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>8} {:>6}",
-            "size", "count", "type", "redop", "algo", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong", "busbw", "%bound");
-        println!("# {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>8} {:>6}",
-            "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "", "(GB/s)", "");
-    }
-    // Warm up once at the largest and the smallest size (page faults, slots, caches), as nccl-tests does.
-    for bytes in [max, sizes.first().map_or(0, |s| s / es * es)] {
-        for _ in 0..a.warmup.max(1) {
-            comm.all_reduce_bytes(&send[..bytes], &mut recv[..bytes], dtype, op)?;
-        }
-    }
     let mut total_wrong = 0;
     let mut busbw_sum = 0.0;
+    let progress = crate::progress::Progress::new(rank == 0, sizes.len());
     for &size in &sizes {
         let count = size / es;
         let bytes = count * es;
@@ -226,88 +304,94 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
         } else {
             Vec::new()
         };
-        let mut cells = [Cell::default(); 2];
-        for (mode, cell) in cells.iter_mut().enumerate() {
-            let in_place = mode == 1;
-            let once = |send: &mut [u8], recv: &mut [u8]| -> Result<(), Error> {
-                if in_place {
-                    comm.all_reduce_bytes_in_place(&mut recv[..bytes], dtype, op)
-                } else {
-                    comm.all_reduce_bytes(&send[..bytes], &mut recv[..bytes], dtype, op)
-                }
-            };
-            let mut w = 0;
-            if a.check {
-                fill(&mut send[..bytes], dtype, op, rank);
-                fill(
-                    &mut recv[..bytes],
-                    dtype,
-                    op,
-                    if in_place { rank } else { rank + 1000 },
-                );
-                once(&mut send, &mut recv)?;
-                w = wrong(&recv[..bytes], &want, es);
-            }
-            for _ in 0..a.warmup {
-                once(&mut send, &mut recv)?;
-            }
-            comm.barrier()?;
-            let t = Instant::now();
-            for _ in 0..a.iters {
-                once(&mut send, &mut recv)?;
-            }
-            let secs = max_over_ranks(comm, t.elapsed().as_secs_f64() / a.iters.max(1) as f64)?;
-            let wrong = sum_over_ranks(comm, w)?;
-            let algbw = bytes as f64 / secs / 1e9;
-            *cell = Cell {
-                time_us: secs * 1e6,
-                algbw,
-                busbw: algbw * factor,
-                wrong,
-            };
-        }
-        // The bound: rank 0 alone, while the others wait at the barrier.
         let bound = if rank == 0 && bytes > 0 {
             measure_bound(bytes, a.iters.max(1), dtype)
         } else {
             0.0
         };
         comm.barrier()?;
-        total_wrong += cells[0].wrong + cells[1].wrong;
-        busbw_sum += cells[0].busbw;
-        let algo = comm.all_reduce_algo(bytes).name();
+        let bound_busbw = if bound > 0.0 {
+            bytes as f64 / bound / 1e9 * factor
+        } else {
+            0.0
+        };
+        if all_algos {
+            let (pick, _) = comm.algorithm(Collective::AllReduce, bytes);
+            let mut cells = std::collections::BTreeMap::new();
+            for algo in Collective::AllReduce.algos() {
+                comm.set_algorithm(Collective::AllReduce, Some(*algo))?;
+                let c = bench.measure(bytes, false, &want)?;
+                total_wrong += c.wrong;
+                cells.insert(algo.name(), c);
+            }
+            comm.set_algorithm(Collective::AllReduce, None)?;
+            let best = cells
+                .iter()
+                .min_by(|x, y| x.1.time_us.total_cmp(&y.1.time_us))
+                .map(|(n, _)| *n)
+                .unwrap_or("ring");
+            busbw_sum += cells[best].busbw;
+            if rank == 0 {
+                progress.suspend(|| {
+                    print_algo_row(
+                        bytes,
+                        count,
+                        dtype,
+                        op,
+                        &cells,
+                        pick.name(),
+                        best,
+                        bound_busbw,
+                    )
+                });
+                report.algos.push(AlgoRow {
+                    size: bytes,
+                    count,
+                    pick: pick.name(),
+                    best,
+                    algos: cells,
+                });
+            }
+        } else {
+            let oop = bench.measure(bytes, false, &want)?;
+            let ip = bench.measure(bytes, true, &want)?;
+            total_wrong += oop.wrong + ip.wrong;
+            busbw_sum += oop.busbw;
+            let algo = comm.algorithm(Collective::AllReduce, bytes).0.name();
+            if rank == 0 {
+                let pct = if bound_busbw > 0.0 {
+                    100.0 * oop.busbw / bound_busbw
+                } else {
+                    0.0
+                };
+                progress.suspend(|| {
+                    println!(
+                        "  {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10.2} {:>8.2} {:>8.2} {:>6} | {:>10.2} {:>8.2} {:>8.2} {:>6} | {:>8.2} {:>5.0}%",
+                        bytes, count, dtype.name(), op.name(), algo,
+                        oop.time_us, oop.algbw, oop.busbw, oop.wrong,
+                        ip.time_us, ip.algbw, ip.busbw, ip.wrong,
+                        bound_busbw, pct
+                    )
+                });
+                report.results.push(Row {
+                    size: bytes,
+                    count,
+                    algo,
+                    oop,
+                    ip,
+                });
+            }
+        }
         if rank == 0 {
-            let bound_busbw = if bound > 0.0 {
-                bytes as f64 / bound / 1e9 * factor
-            } else {
-                0.0
-            };
-            let pct = if bound_busbw > 0.0 {
-                100.0 * cells[0].busbw / bound_busbw
-            } else {
-                0.0
-            };
-            println!(
-                "  {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10.2} {:>8.2} {:>8.2} {:>6} | {:>10.2} {:>8.2} {:>8.2} {:>6} | {:>8.2} {:>5.0}%",
-                bytes, count, dtype.name(), op.name(), algo,
-                cells[0].time_us, cells[0].algbw, cells[0].busbw, cells[0].wrong,
-                cells[1].time_us, cells[1].algbw, cells[1].busbw, cells[1].wrong,
-                bound_busbw, pct
-            );
-            report.results.push(Row {
-                size: bytes,
-                count,
-                algo,
-                oop: cells[0],
-                ip: cells[1],
-            });
             report.membw.push(Bound {
                 size: bytes,
                 time_us: bound * 1e6,
                 busbw: bound_busbw,
             });
         }
+        progress.step();
     }
+    progress.finish();
     if rank == 0 {
         println!(
             "# Out of bounds values : {total_wrong} {}",
@@ -321,8 +405,123 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
             let text = serde_json::to_string_pretty(&report).expect("report serialises");
             std::fs::write(path, text).map_err(|e| Error::io(format!("writing {path}"), e))?;
         }
+        if let Some(path) = &a.plot {
+            crate::plot::busbw(path, &report_series(&report), world)
+                .map_err(|e| Error::io(format!("plotting {path}"), std::io::Error::other(e)))?;
+        }
     }
     Ok(total_wrong)
+}
+
+/// Busbw series per algorithm (or the single measured line), for plotting.
+fn report_series(r: &Report) -> Vec<(String, Vec<(f64, f64)>)> {
+    let mut out: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    if !r.results.is_empty() {
+        out.push((
+            "braid".into(),
+            r.results
+                .iter()
+                .map(|x| (x.size as f64, x.oop.busbw))
+                .collect(),
+        ));
+    }
+    if let Some(first) = r.algos.first() {
+        for name in first.algos.keys() {
+            let pts = r
+                .algos
+                .iter()
+                .filter_map(|x| x.algos.get(name).map(|c| (x.size as f64, c.busbw)))
+                .collect();
+            out.push((name.to_string(), pts));
+        }
+        out.push((
+            "tuner pick".into(),
+            r.algos
+                .iter()
+                .map(|x| (x.size as f64, x.algos[x.pick].busbw))
+                .collect(),
+        ));
+    }
+    out.push((
+        "memory bound".into(),
+        r.membw
+            .iter()
+            .filter(|b| b.busbw > 0.0)
+            .map(|b| (b.size as f64, b.busbw))
+            .collect(),
+    ));
+    out
+}
+
+fn print_header() {
+    println!("#");
+    println!("# {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>8} {:>6}",
+        "", "", "", "", "", "out-of-place", "", "", "", "in-place", "", "", "", "bound", "");
+    println!("# {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>8} {:>6}",
+        "size", "count", "type", "redop", "algo", "time", "algbw", "busbw", "#wrong", "time", "algbw", "busbw", "#wrong", "busbw", "%bound");
+    println!("# {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>10} {:>8} {:>8} {:>6} | {:>8} {:>6}",
+        "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "", "(GB/s)", "");
+}
+
+fn print_algo_header() {
+    println!("# out-of-place busbw (GB/s) per algorithm; * marks the fastest, < the tuner's pick");
+    let names: Vec<String> = Collective::AllReduce
+        .algos()
+        .iter()
+        .map(|a| format!("{:>10}", a.name()))
+        .collect();
+    println!(
+        "# {:>10} {:>12} {:>8} {:>6} | {} | {:>6} {:>6} {:>9} {:>8}",
+        "size",
+        "count",
+        "type",
+        "redop",
+        names.join(" "),
+        "pick",
+        "best",
+        "pick/best",
+        "bound"
+    );
+}
+
+#[allow(clippy::too_many_arguments)]
+fn print_algo_row(
+    bytes: usize,
+    count: usize,
+    dtype: DType,
+    op: ReduceOp,
+    cells: &std::collections::BTreeMap<&'static str, Cell>,
+    pick: &str,
+    best: &str,
+    bound: f64,
+) {
+    let cols: Vec<String> = Collective::AllReduce
+        .algos()
+        .iter()
+        .map(|a| {
+            let c = cells[a.name()];
+            let mark = match (a.name() == best, a.name() == pick) {
+                (true, true) => "*<",
+                (true, false) => "* ",
+                (false, true) => " <",
+                _ => "  ",
+            };
+            format!("{:>8.2}{mark}", c.busbw)
+        })
+        .collect();
+    let ratio = cells[best].time_us / cells[pick].time_us;
+    println!(
+        "  {:>10} {:>12} {:>8} {:>6} | {} | {:>6} {:>6} {:>8.0}% {:>8.2}",
+        bytes,
+        count,
+        dtype.name(),
+        op.name(),
+        cols.join(" "),
+        pick,
+        best,
+        100.0 * ratio,
+        bound
+    );
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use braid::{Communicator, DType, Error, ReduceOp};
+use braid::{Collective, Communicator, DType, Error, ReduceOp};
 use braid_core::reduce::{reduce_ordered, Src};
 
 // ---------------------------------------------------------------------------------------------------
@@ -185,6 +185,77 @@ fn scenario_matrix(c: &Communicator) -> usize {
     checks + 3
 }
 
+/// Every algorithm of every collective, forced in turn, against the exact reference.
+fn scenario_algorithms(c: &Communicator) -> usize {
+    let (rank, world) = (c.rank(), c.world_size());
+    let mut checks = 0;
+    for coll in Collective::ALL {
+        for &algo in coll.algos() {
+            c.set_algorithm(coll, Some(algo)).unwrap();
+            for (dtype, op) in [
+                (DType::F32, ReduceOp::Sum),
+                (DType::BF16, ReduceOp::Avg),
+                (DType::I64, ReduceOp::Max),
+                (DType::F64, ReduceOp::Prod),
+            ] {
+                let es = dtype.size();
+                for count in [0usize, 1, world + 1, 40_009] {
+                    let what = format!("{} {algo} {dtype} {op} count {count}", coll.name());
+                    match coll {
+                        Collective::AllReduce => {
+                            let ins = inputs(count * es, dtype, op, world);
+                            let want = reduced(&ins, dtype, op);
+                            let mut out = vec![0u8; count * es];
+                            c.all_reduce_bytes(&ins[rank], &mut out, dtype, op).unwrap();
+                            assert!(out == want, "{what}");
+                            assert_identical(c, &out, &what);
+                            let mut buf = ins[rank].clone();
+                            c.all_reduce_bytes_in_place(&mut buf, dtype, op).unwrap();
+                            assert!(buf == want, "{what} in place");
+                        }
+                        Collective::ReduceScatter => {
+                            let ins = inputs(world * count * es, dtype, op, world);
+                            let want = reduced(&ins, dtype, op);
+                            let mut out = vec![0u8; count * es];
+                            c.reduce_scatter_bytes(&ins[rank], &mut out, dtype, op)
+                                .unwrap();
+                            assert!(
+                                out == want[rank * count * es..(rank + 1) * count * es],
+                                "{what}"
+                            );
+                        }
+                        Collective::AllGather => {
+                            let ins = inputs(count * es, dtype, op, world);
+                            let mut out = vec![0u8; world * count * es];
+                            c.all_gather_bytes(&ins[rank], &mut out, dtype).unwrap();
+                            assert!(out == ins.concat(), "{what}");
+                        }
+                        Collective::Broadcast | Collective::Reduce => {
+                            let ins = inputs(count * es, dtype, op, world);
+                            let want = reduced(&ins, dtype, op);
+                            for root in [0, world - 1] {
+                                let mut b = ins[rank].clone();
+                                if coll == Collective::Broadcast {
+                                    c.broadcast_bytes(&ins[rank], &mut b, dtype, root).unwrap();
+                                    assert!(b == ins[root], "{what} root {root}");
+                                } else {
+                                    c.reduce_bytes(&ins[rank], &mut b, dtype, op, root).unwrap();
+                                    if rank == root {
+                                        assert!(b == want, "{what} root {root}");
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    checks += 1;
+                }
+            }
+        }
+        c.set_algorithm(coll, None).unwrap();
+    }
+    checks
+}
+
 fn rank_main(scenario: &str, args: &[String]) -> i32 {
     let c = match Communicator::from_env() {
         Ok(c) => c,
@@ -196,6 +267,11 @@ fn rank_main(scenario: &str, args: &[String]) -> i32 {
     match scenario {
         "matrix" => {
             let n = scenario_matrix(&c);
+            println!("rank {} ok: {n} checks", c.rank());
+            0
+        }
+        "algorithms" => {
+            let n = scenario_algorithms(&c);
             println!("rank {} ok: {n} checks", c.rank());
             0
         }
@@ -355,6 +431,35 @@ fn test_matrix() {
     }
 }
 
+fn test_algorithms() {
+    for n in 2..=8 {
+        let start = Instant::now();
+        let o = braid_run(
+            n,
+            &["algorithms"],
+            &[
+                ("BRAID_TIMEOUT_MS", "60000"),
+                ("BRAID_CHUNK_BYTES", "16384"),
+            ],
+        );
+        assert!(
+            o.status.success(),
+            "algorithms on {n} ranks failed:\n{}",
+            show(&o)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&o.stdout).matches(" ok: ").count(),
+            n,
+            "{}",
+            show(&o)
+        );
+        println!(
+            "  every algorithm on {n} ranks: ok ({:.1} s)",
+            start.elapsed().as_secs_f64()
+        );
+    }
+}
+
 fn test_launcher_stops_everyone_when_one_rank_fails() {
     let start = Instant::now();
     let o = braid_run(3, &["exit-rank", "1", "7"], &[]);
@@ -454,6 +559,78 @@ fn test_perf_runs_and_checks() {
     assert!(!text.contains("\"wrong\": 1"), "{text}");
 }
 
+fn test_perf_all_algorithms_and_plot() {
+    let png = std::env::temp_dir().join(format!("braid-perf-{}.png", std::process::id()));
+    let o = Command::new(braid())
+        .args([
+            "perf", "--ranks", "3", "--algo", "all", "-b", "8", "-e", "256K", "-f", "64", "-n",
+            "2", "-w", "1", "--plot",
+        ])
+        .arg(&png)
+        .env_remove("BRAID_RANK")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("Out of bounds values : 0 OK"), "{out}");
+    for name in ["ring", "tree", "rhd", "direct", "pick/best"] {
+        assert!(out.contains(name), "no {name} column:\n{out}");
+    }
+    let bytes = std::fs::read(&png).unwrap();
+    std::fs::remove_file(&png).unwrap();
+    assert!(bytes.starts_with(b"\x89PNG"), "not a PNG");
+    // An unknown algorithm is refused before anything starts.
+    let o = Command::new(braid())
+        .args(["perf", "--ranks", "2", "--algo", "butterfly"])
+        .env_remove("BRAID_RANK")
+        .output()
+        .unwrap();
+    assert!(
+        !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("butterfly"),
+        "{}",
+        show(&o)
+    );
+}
+
+fn test_tune_writes_a_file_the_runtime_uses() {
+    let file = std::env::temp_dir().join(format!("braid-tune-{}.json", std::process::id()));
+    let o = Command::new(braid())
+        .args([
+            "tune", "--ranks", "2,3", "-b", "8", "-e", "64K", "-f", "16", "-n", "2", "-w", "1",
+            "-o",
+        ])
+        .arg(&file)
+        .env_remove("BRAID_RANK")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(
+        text.contains("\"world\": 2") && text.contains("\"world\": 3"),
+        "{text}"
+    );
+    // A run with the file: its choices come from the table.
+    let o = braid_run(
+        2,
+        &["small"],
+        &[("BRAID_TUNE_FILE", file.to_str().unwrap())],
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    // A broken file is an error that names the variable.
+    std::fs::write(&file, "{").unwrap();
+    let o = braid_run(
+        2,
+        &["small"],
+        &[("BRAID_TUNE_FILE", file.to_str().unwrap())],
+    );
+    assert!(
+        !o.status.success() && String::from_utf8_lossy(&o.stdout).contains("BRAID_TUNE_FILE"),
+        "{}",
+        show(&o)
+    );
+    std::fs::remove_file(&file).unwrap();
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if std::env::var_os("BRAID_RANK").is_some() || std::env::var_os("RANK").is_some() {
@@ -464,8 +641,12 @@ fn main() {
         return;
     }
     let before = braid_segments();
-    let tests: [(&str, fn()); 5] = [
+    let tests: [(&str, fn()); 8] = [
         ("matrix of ranks × dtypes × ops × counts", test_matrix),
+        (
+            "every algorithm of every collective, forced",
+            test_algorithms,
+        ),
         (
             "launcher stops everyone when one rank fails",
             test_launcher_stops_everyone_when_one_rank_fails,
@@ -473,6 +654,14 @@ fn main() {
         ("rank killed mid-collective", test_killed_rank),
         ("torchrun variables", test_torchrun_variables),
         ("braid perf checks its results", test_perf_runs_and_checks),
+        (
+            "braid perf --algo all marks the pick and plots",
+            test_perf_all_algorithms_and_plot,
+        ),
+        (
+            "braid tune writes a file the runtime uses",
+            test_tune_writes_a_file_the_runtime_uses,
+        ),
     ];
     for (name, t) in tests {
         println!("test {name} ...");

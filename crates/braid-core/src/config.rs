@@ -48,8 +48,11 @@ pub struct Config {
     /// How long a wait spins before it blocks, in microseconds (`BRAID_SPIN_US`; default: 20 when there
     /// are at least as many cores as local ranks, 0 when ranks outnumber cores).
     pub spin_us: Option<u64>,
-    /// All-reduce algorithm forced by `BRAID_ALGO` (`ring` or `direct`); `None` lets braid choose.
+    /// Algorithm policy from `BRAID_ALGO` (e.g. `allreduce:tree;allgather:^direct`); `None` lets braid
+    /// choose.
     pub algo: Option<String>,
+    /// Tuning file written by `braid tune` (`BRAID_TUNE_FILE`).
+    pub tune_file: Option<std::path::PathBuf>,
     /// Largest all-reduce (bytes) sent with the one-step direct algorithm when braid chooses
     /// (`BRAID_DIRECT_MAX_BYTES`, default 16384).
     pub direct_max_bytes: usize,
@@ -65,6 +68,7 @@ impl Default for Config {
             slots: 8,
             spin_us: None,
             algo: None,
+            tune_file: None,
             direct_max_bytes: 16 * 1024,
             debug: DebugLevel::Error,
         }
@@ -117,16 +121,11 @@ impl Config {
             c.spin_us = Some(parse_num("BRAID_SPIN_US", &v, 0, 10_000_000)?);
         }
         if let Some(v) = lookup("BRAID_ALGO") {
-            let v = v.trim().to_ascii_lowercase();
-            match v.as_str() {
-                "" => {}
-                "ring" | "direct" => c.algo = Some(v),
-                _ => {
-                    return Err(Error::invalid(format!(
-                        "BRAID_ALGO={v:?} is not an all-reduce algorithm (ring, direct)"
-                    )))
-                }
-            }
+            // Checked by the communicator, which knows the algorithms.
+            c.algo = Some(v.trim().to_string()).filter(|v| !v.is_empty());
+        }
+        if let Some(v) = lookup("BRAID_TUNE_FILE") {
+            c.tune_file = Some(std::path::PathBuf::from(v)).filter(|p| !p.as_os_str().is_empty());
         }
         if let Some(v) = lookup("BRAID_DIRECT_MAX_BYTES") {
             c.direct_max_bytes = parse_num("BRAID_DIRECT_MAX_BYTES", &v, 0, 64 << 20)? as usize;
@@ -180,7 +179,7 @@ mod tests {
         assert_eq!(c.timeout, Duration::from_millis(2500));
         assert_eq!(c.chunk_bytes, 4096);
         assert_eq!(c.slots, 4);
-        assert_eq!(c.algo.as_deref(), Some("direct"));
+        assert_eq!(c.algo.as_deref(), Some("Direct"));
         assert_eq!(c.debug, DebugLevel::Info);
     }
 
@@ -191,7 +190,6 @@ mod tests {
             ("BRAID_TIMEOUT_MS", "0"),
             ("BRAID_CHUNK_BYTES", "8"),
             ("BRAID_SLOTS", "1"),
-            ("BRAID_ALGO", "butterfly"),
             ("BRAID_DEBUG", "loud"),
         ] {
             let e = Config::from_lookup(env(&[(k, v)])).unwrap_err();

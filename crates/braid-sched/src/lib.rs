@@ -19,9 +19,12 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod cost;
 pub mod direct;
+pub mod rhd;
 pub mod ring;
 pub mod sim;
+pub mod tree;
 
 use std::ops::Range;
 
@@ -95,11 +98,13 @@ pub enum Action {
         /// Rank to pass the data to.
         forward: Option<usize>,
     },
-    /// Receive `input[range]`'s counterpart from every other rank and write the reduction of all
-    /// `nranks` contributions, in rank order, to `output[range]`.
+    /// Receive a counterpart of `input[input]` from every other rank and write the reduction of all
+    /// `nranks` contributions, in rank order (this rank's own from `input[input]`), to `output[output]`.
     RecvReduceAll {
-        /// Elements reduced (same range in input and output).
-        range: Range<usize>,
+        /// Own contribution (input elements).
+        input: Range<usize>,
+        /// Output elements written (same length).
+        output: Range<usize>,
         /// Number of ranks.
         nranks: usize,
     },

@@ -177,21 +177,25 @@ pub fn run(
                             send(*t, m, &mut net);
                         }
                     }
-                    Action::RecvReduceAll { range, nranks } => {
+                    Action::RecvReduceAll {
+                        input: ir,
+                        output,
+                        nranks,
+                    } => {
                         let mut got = Vec::with_capacity(n);
                         for p in 0..n {
                             got.push(if p == r {
                                 None
                             } else {
-                                Some(net.pop(p, r, range.len() * es)?)
+                                Some(net.pop(p, r, ir.len() * es)?)
                             });
                         }
                         let srcs: Vec<Src> = got
                             .iter()
-                            .map(|m| Src::Buf(m.as_deref().unwrap_or(&input[b(range, es)])))
+                            .map(|m| Src::Buf(m.as_deref().unwrap_or(&input[b(ir, es)])))
                             .collect();
                         debug_assert_eq!(srcs.len(), *nranks);
-                        reduce::reduce_ordered(dtype, op, &mut outputs[r][b(range, es)], &srcs);
+                        reduce::reduce_ordered(dtype, op, &mut outputs[r][b(output, es)], &srcs);
                     }
                     Action::LoadAcc { range } => {
                         grow(&mut scratch[r], range.end * acc);

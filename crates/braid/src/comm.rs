@@ -24,9 +24,10 @@ use parking_lot::{Condvar, Mutex};
 use tracing::{debug, error};
 
 use crate::bootstrap::{self, Agreed};
-use crate::exec::{Algo, Executor, Kind, Op};
+use crate::exec::{Executor, Kind, Op};
 use crate::id::{random_secret, UniqueId};
 use crate::job::JobEnv;
+use crate::tune::{Algo, AlgoPolicy, Collective, Tuner, TuningFile};
 use crate::wire::PeerInfo;
 
 /// A group of ranks that run collectives together.
@@ -150,6 +151,23 @@ impl Communicator {
         if config.slots < 2 {
             return Err(Error::invalid("a channel needs at least 2 slots"));
         }
+        let policy = match config.algo.as_deref() {
+            Some(text) => AlgoPolicy::parse(text)
+                .map_err(|e| Error::invalid(format!("BRAID_ALGO={text:?}: {e}")))?,
+            None => AlgoPolicy::default(),
+        };
+        let file = config
+            .tune_file
+            .as_deref()
+            .map(TuningFile::load)
+            .transpose()?;
+        let tuner = Tuner::new(
+            world,
+            policy,
+            file,
+            config.chunk_bytes,
+            config.direct_max_bytes,
+        );
         let deadline = Instant::now() + config.timeout;
         let slot_bytes = config.chunk_bytes.next_multiple_of(64);
         let layout = Layout {
@@ -228,6 +246,7 @@ impl Communicator {
                 rank,
                 world,
                 config.clone(),
+                tuner,
                 transport,
                 abort.clone(),
             )),
@@ -268,9 +287,16 @@ impl Communicator {
         &self.inner.config
     }
 
-    /// The all-reduce algorithm braid would use for `bytes` bytes.
-    pub fn all_reduce_algo(&self, bytes: usize) -> Algo {
-        self.inner.exec.lock().choose(bytes)
+    /// The algorithm braid would use for `c` at `bytes` bytes, and why (`forced`, `table`, `model`,
+    /// `rule`).
+    pub fn algorithm(&self, c: Collective, bytes: usize) -> (Algo, &'static str) {
+        self.inner.exec.lock().tuner.pick_with_reason(c, bytes)
+    }
+
+    /// Forces the algorithm of `c` on this rank from the next call on (`None` returns the choice to
+    /// braid). Every rank must make the same call at the same point in its sequence of collectives.
+    pub fn set_algorithm(&self, c: Collective, algo: Option<Algo>) -> Result<(), Error> {
+        self.inner.exec.lock().tuner.force(c, algo)
     }
 
     /// The first error that made this communicator unusable, if any.

@@ -12,10 +12,12 @@ use std::time::Instant;
 
 use braid_core::reduce::{self, Src};
 use braid_core::{Config, DType, Error, ReduceOp};
-use braid_sched::{direct, ring, Action, Buf};
+use braid_sched::{direct, rhd, ring, tree, Action, Buf};
 use braid_transport::shm::{RecvSlot, ShmTransport};
 use braid_transport::WaitCtx;
 use tracing::trace;
+
+use crate::tune::{Algo, Collective, Tuner};
 
 /// Which collective an op runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -29,6 +31,18 @@ pub(crate) enum Kind {
 }
 
 impl Kind {
+    /// The collective whose algorithm the tuner picks (none for a barrier).
+    pub(crate) fn collective(self) -> Option<Collective> {
+        match self {
+            Kind::AllReduce => Some(Collective::AllReduce),
+            Kind::ReduceScatter => Some(Collective::ReduceScatter),
+            Kind::AllGather => Some(Collective::AllGather),
+            Kind::Broadcast { .. } => Some(Collective::Broadcast),
+            Kind::Reduce { .. } => Some(Collective::Reduce),
+            Kind::Barrier => None,
+        }
+    }
+
     pub(crate) fn name(self) -> &'static str {
         match self {
             Kind::AllReduce => "all_reduce",
@@ -37,25 +51,6 @@ impl Kind {
             Kind::Broadcast { .. } => "broadcast",
             Kind::Reduce { .. } => "reduce",
             Kind::Barrier => "barrier",
-        }
-    }
-}
-
-/// The all-reduce algorithms this executor runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Algo {
-    /// Reduce-scatter then all-gather around a ring, pipelined in chunks.
-    Ring,
-    /// Every rank sends its whole buffer to every other rank and reduces locally.
-    Direct,
-}
-
-impl Algo {
-    /// Its name in `BRAID_ALGO`, logs and benchmark output.
-    pub fn name(self) -> &'static str {
-        match self {
-            Algo::Ring => "ring",
-            Algo::Direct => "direct",
         }
     }
 }
@@ -164,6 +159,7 @@ pub(crate) struct Executor {
     pub rank: usize,
     pub world: usize,
     config: Config,
+    pub tuner: Tuner,
     transport: Option<ShmTransport>,
     abort: Arc<AtomicBool>,
     seq: u64,
@@ -186,6 +182,7 @@ impl Executor {
         rank: usize,
         world: usize,
         config: Config,
+        tuner: Tuner,
         transport: Option<ShmTransport>,
         abort: Arc<AtomicBool>,
     ) -> Executor {
@@ -193,6 +190,7 @@ impl Executor {
             rank,
             world,
             config,
+            tuner,
             transport,
             abort,
             seq: 0,
@@ -206,16 +204,6 @@ impl Executor {
         self.seq
     }
 
-    /// The all-reduce algorithm for `bytes` bytes.
-    pub(crate) fn choose(&self, bytes: usize) -> Algo {
-        match self.config.algo.as_deref() {
-            Some("ring") => Algo::Ring,
-            Some("direct") => Algo::Direct,
-            _ if bytes <= self.config.direct_max_bytes => Algo::Direct,
-            _ => Algo::Ring,
-        }
-    }
-
     fn plan(&mut self, key: PlanKey) -> Vec<Action> {
         if let Some((k, p)) = self.cache.take() {
             if k == key {
@@ -223,16 +211,20 @@ impl Executor {
             }
         }
         let (n, r, c, chunk) = (self.world, self.rank, key.count, key.chunk);
-        match key.kind {
-            Kind::AllReduce => match key.algo {
-                Algo::Ring => ring::all_reduce(n, r, c, chunk),
-                Algo::Direct => direct::all_reduce(n, r, c, chunk),
-            },
-            Kind::ReduceScatter => ring::reduce_scatter(n, r, c, chunk),
-            Kind::AllGather => ring::all_gather(n, r, c, chunk),
-            Kind::Broadcast { root } => ring::broadcast(n, r, root, c, chunk),
-            Kind::Reduce { root } => ring::reduce(n, r, root, c, chunk),
-            Kind::Barrier => direct::barrier(n, r),
+        match (key.kind, key.algo) {
+            (Kind::AllReduce, Algo::Ring) => ring::all_reduce(n, r, c, chunk),
+            (Kind::AllReduce, Algo::Tree) => tree::all_reduce(n, r, c, chunk),
+            (Kind::AllReduce, Algo::Rhd) => rhd::all_reduce(n, r, c, chunk),
+            (Kind::AllReduce, Algo::Direct) => direct::all_reduce(n, r, c, chunk),
+            (Kind::ReduceScatter, Algo::Direct) => direct::reduce_scatter(n, r, c, chunk),
+            (Kind::ReduceScatter, _) => ring::reduce_scatter(n, r, c, chunk),
+            (Kind::AllGather, Algo::Direct) => direct::all_gather(n, r, c, chunk),
+            (Kind::AllGather, _) => ring::all_gather(n, r, c, chunk),
+            (Kind::Broadcast { root }, Algo::Tree) => tree::broadcast(n, r, root, c, chunk),
+            (Kind::Broadcast { root }, _) => ring::broadcast(n, r, root, c, chunk),
+            (Kind::Reduce { root }, Algo::Tree) => tree::reduce(n, r, root, c, chunk),
+            (Kind::Reduce { root }, _) => ring::reduce(n, r, root, c, chunk),
+            (Kind::Barrier, _) => direct::barrier(n, r),
         }
     }
 
@@ -248,10 +240,9 @@ impl Executor {
             Some(t) => t.slot_bytes() / op.dtype.accumulator().size(),
             None => usize::MAX,
         };
-        let algo = if op.kind == Kind::AllReduce {
-            self.choose(op.count * es)
-        } else {
-            Algo::Ring
+        let algo = match op.kind.collective() {
+            Some(c) => self.tuner.pick(c, op.count * es),
+            None => Algo::Direct,
         };
         let key = PlanKey {
             kind: op.kind,
@@ -436,45 +427,51 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
                 &sc[range.start * acc..range.end * acc],
             );
         }
-        Action::RecvReduceAll { range, nranks } => {
+        Action::RecvReduceAll {
+            input,
+            output,
+            nranks,
+        } => {
             // Up to 8 ranks (the latency-bound case) without touching the allocator.
             if *nranks <= 8 {
                 let mut slots: [Option<RecvSlot<'_>>; 8] = Default::default();
-                reduce_all(t, ctx, bufs, range, &mut slots[..*nranks])?;
+                reduce_all(t, ctx, bufs, input, output, &mut slots[..*nranks])?;
             } else {
                 let mut slots: Vec<Option<RecvSlot<'_>>> = (0..*nranks).map(|_| None).collect();
-                reduce_all(t, ctx, bufs, range, &mut slots)?;
+                reduce_all(t, ctx, bufs, input, output, &mut slots)?;
             }
         }
     }
     Ok(())
 }
 
-/// Receives `range` from every other rank and reduces all contributions in rank order into the output.
+/// Receives `input`'s counterpart from every other rank and reduces all contributions in rank order
+/// into `output`.
 fn reduce_all<'t>(
     t: &'t ShmTransport,
     ctx: &WaitCtx<'_>,
     bufs: &Bufs<'_>,
-    range: &Range<usize>,
+    input: &Range<usize>,
+    output: &Range<usize>,
     slots: &mut [Option<RecvSlot<'t>>],
 ) -> Result<(), Error> {
     let op = bufs.op;
     for (p, slot) in slots.iter_mut().enumerate() {
         if p != ctx.rank {
             let m = t.recv(p, ctx)?;
-            expect_len(ctx, p, m.data().len(), range.len() * bufs.es)?;
+            expect_len(ctx, p, m.data().len(), input.len() * bufs.es)?;
             *slot = Some(m);
         }
     }
-    let own = if bufs.same(range, range) {
+    let own = if bufs.same(input, output) {
         Src::Dst
     } else {
-        Src::Buf(bufs.input(range))
+        Src::Buf(bufs.input(input))
     };
     fn src<'a>(slot: &'a Option<RecvSlot<'_>>, own: Src<'a>) -> Src<'a> {
         slot.as_ref().map_or(own, |m| Src::Buf(m.data()))
     }
-    let out = bufs.output(range);
+    let out = bufs.output(output);
     if slots.len() <= 8 {
         let mut srcs = [Src::Dst; 8];
         for (s, slot) in srcs.iter_mut().zip(slots.iter()) {

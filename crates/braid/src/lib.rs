@@ -22,10 +22,11 @@ mod comm;
 mod exec;
 mod id;
 mod job;
+pub mod tune;
 pub mod wire;
 
 pub use braid_core::{Config, DType, DebugLevel, Element, Error, ReduceOp, Result};
 pub use comm::{Communicator, Work};
-pub use exec::Algo;
 pub use id::UniqueId;
 pub use job::JobEnv;
+pub use tune::{Algo, Collective};

@@ -227,7 +227,9 @@ fn bootstrap_refuses_wrong_secrets_and_garbage_but_still_forms() {
     // Rank 0 is waiting for rank 1 when the strays arrive: a wrong secret, garbage, a silent socket.
     let r0 = rank(0, id.clone());
     let wrong: UniqueId = format!("{addr}/{}", "ab".repeat(16)).parse().unwrap();
-    let e = Communicator::init(2, 1, &wrong, config(10_000)).err().unwrap();
+    let e = Communicator::init(2, 1, &wrong, config(10_000))
+        .err()
+        .unwrap();
     assert!(e.to_string().contains("wrong secret"), "{e}");
     let mut garbage = TcpStream::connect(addr).unwrap();
     garbage.write_all(&[0xff; 64]).unwrap();

@@ -1,0 +1,296 @@
+//! The tree, recursive halving-doubling and direct schedules, simulated on many ranks against a
+//! reference, for bit-identical results, and against the traffic and cost model of `cost`.
+
+use braid_core::reduce::{reduce_ordered, Src};
+use braid_core::{DType, ReduceOp};
+use braid_sched::cost::{all_reduce_cost, all_reduce_traffic, LinkCost};
+use braid_sched::{direct, rhd, ring, sim, tree, Action};
+use half::{bf16, f16};
+use proptest::prelude::*;
+
+/// Inputs whose reduction is exact in any order: integers in -2..=2 (or ±1, ±2 for prod) for floats,
+/// anything for integer types (wrapping arithmetic is associative and commutative).
+fn exact_inputs(dtype: DType, op: ReduceOp, world: usize, count: usize, seed: u64) -> Vec<Vec<u8>> {
+    let mut x = seed | 1;
+    (0..world)
+        .map(|_| {
+            let mut v = Vec::new();
+            for _ in 0..count {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let small = if op == ReduceOp::Prod {
+                    [1.0, 2.0, -1.0, -2.0][(x % 4) as usize]
+                } else {
+                    (x % 5) as f64 - 2.0
+                };
+                match dtype {
+                    DType::F32 => v.extend((small as f32).to_ne_bytes()),
+                    DType::F64 => v.extend(small.to_ne_bytes()),
+                    DType::F16 => v.extend(f16::from_f64(small).to_ne_bytes()),
+                    DType::BF16 => v.extend(bf16::from_f64(small).to_ne_bytes()),
+                    _ => v.extend(&x.to_ne_bytes()[..dtype.size()]),
+                }
+            }
+            v
+        })
+        .collect()
+}
+
+/// Arbitrary finite f32 values of every magnitude: the order of operations changes the bits.
+fn arbitrary_f32(world: usize, count: usize, seed: u64) -> Vec<Vec<u8>> {
+    (0..world as u64)
+        .map(|r| {
+            (0..count as u64)
+                .flat_map(|i| {
+                    let h = (seed ^ (r * 7919 + i)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                    let v = (h >> 40) as f32 / 3.7 * if h & 1 == 1 { -1.0 } else { 1.0 };
+                    v.to_ne_bytes()
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn reference(dtype: DType, op: ReduceOp, inputs: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = vec![0u8; inputs[0].len()];
+    let srcs: Vec<Src> = inputs.iter().map(|b| Src::Buf(b)).collect();
+    reduce_ordered(dtype, op, &mut out, &srcs);
+    out
+}
+
+fn dtypes() -> impl Strategy<Value = DType> {
+    prop::sample::select(DType::ALL.to_vec())
+}
+fn ops() -> impl Strategy<Value = ReduceOp> {
+    prop::sample::select(ReduceOp::ALL.to_vec())
+}
+fn worlds() -> impl Strategy<Value = usize> {
+    prop_oneof![6 => 1usize..=9, 1 => Just(16usize), 1 => Just(33usize), 1 => Just(64usize)]
+}
+
+fn plans(world: usize, f: impl Fn(usize) -> Vec<Action>) -> Vec<Vec<Action>> {
+    (0..world).map(f).collect()
+}
+
+/// The all-reduce schedule called `algo`.
+fn all_reduce(algo: &str, world: usize, rank: usize, count: usize, chunk: usize) -> Vec<Action> {
+    match algo {
+        "ring" => ring::all_reduce(world, rank, count, chunk),
+        "tree" => tree::all_reduce(world, rank, count, chunk),
+        "rhd" => rhd::all_reduce(world, rank, count, chunk),
+        "direct" => direct::all_reduce(world, rank, count, chunk),
+        _ => unreachable!(),
+    }
+}
+
+/// Every message fits in one slot of `chunk` elements.
+fn messages_fit(p: &[Vec<Action>], chunk: usize) -> bool {
+    p.iter().flatten().all(|a| match a {
+        Action::Send { range, .. }
+        | Action::SendAcc { range, .. }
+        | Action::SendScratch { range, .. }
+        | Action::RecvCombine { range, .. }
+        | Action::RecvReduceSend { range, .. }
+        | Action::RecvReduceAll { input: range, .. } => range.len() <= chunk,
+        Action::RecvCopy { output, .. } => output.len() <= chunk,
+        Action::RecvReduceFinal { input, .. } => input.len() <= chunk,
+        Action::Copy { .. } | Action::LoadAcc { .. } | Action::FinishScratch { .. } => true,
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn all_reduce_tree_and_rhd(dtype in dtypes(), op in ops(), world in worlds(), count in 0usize..300,
+        chunk in 1usize..40, depth in 2usize..=4, seed in any::<u64>(), algo in prop::sample::select(vec!["tree", "rhd"])) {
+        let ins = exact_inputs(dtype, op, world, count, seed);
+        let want = reference(dtype, op, &ins);
+        let p = plans(world, |r| all_reduce(algo, world, r, count, chunk));
+        prop_assert!(messages_fit(&p, chunk));
+        let out = sim::run(&p, dtype, op, &ins, count, depth).unwrap();
+        for o in &out.outputs {
+            prop_assert_eq!(o, &want);
+        }
+    }
+
+    #[test]
+    fn tree_and_rhd_bit_identical_for_any_floats(world in worlds(), count in 1usize..300,
+        chunk in 1usize..40, seed in any::<u64>(), algo in prop::sample::select(vec!["tree", "rhd"]),
+        op in prop::sample::select(vec![ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Prod, ReduceOp::Max])) {
+        let ins = arbitrary_f32(world, count, seed);
+        let p = plans(world, |r| all_reduce(algo, world, r, count, chunk));
+        let out = sim::run(&p, DType::F32, op, &ins, count, 2).unwrap();
+        for o in &out.outputs[1..] {
+            prop_assert_eq!(o, &out.outputs[0]);
+        }
+    }
+
+    #[test]
+    fn tree_broadcast_and_reduce(dtype in dtypes(), op in ops(), world in worlds(), count in 0usize..300,
+        chunk in 1usize..40, depth in 2usize..=4, root_pick in any::<usize>(), seed in any::<u64>()) {
+        let root = root_pick % world;
+        let ins = exact_inputs(dtype, op, world, count, seed);
+        let p = plans(world, |r| tree::broadcast(world, r, root, count, chunk));
+        prop_assert!(messages_fit(&p, chunk));
+        let out = sim::run(&p, dtype, op, &ins, count, depth).unwrap();
+        for o in &out.outputs {
+            prop_assert_eq!(o, &ins[root]);
+        }
+        let p = plans(world, |r| tree::reduce(world, r, root, count, chunk));
+        prop_assert!(messages_fit(&p, chunk));
+        let out = sim::run(&p, dtype, op, &ins, count, depth).unwrap();
+        prop_assert_eq!(&out.outputs[root], &reference(dtype, op, &ins));
+    }
+
+    #[test]
+    fn direct_all_gather(dtype in dtypes(), world in worlds(), send_count in 0usize..60,
+        chunk in 1usize..40, depth in 2usize..=4, seed in any::<u64>()) {
+        let es = dtype.size();
+        let ins = exact_inputs(dtype, ReduceOp::Sum, world, send_count, seed);
+        let p = plans(world, |r| direct::all_gather(world, r, send_count, chunk));
+        prop_assert!(messages_fit(&p, chunk));
+        let out = sim::run(&p, dtype, ReduceOp::Sum, &ins, world * send_count, depth).unwrap();
+        let want: Vec<u8> = ins.concat();
+        prop_assert_eq!(want.len(), world * send_count * es);
+        for o in &out.outputs {
+            prop_assert_eq!(o, &want);
+        }
+    }
+}
+
+#[test]
+fn every_world_and_small_counts() {
+    // Exhaustive over the small cases that are easiest to get wrong: empty halves and blocks, counts
+    // below the world size, one-element chunks.
+    for world in (1..=9).chain([16, 33, 64]) {
+        for count in [0, 1, 2, 3, world - 1, world, world + 1, 2 * world + 3] {
+            for chunk in [1, 2, 7] {
+                let (dtype, op) = (DType::BF16, ReduceOp::Avg);
+                let ins = exact_inputs(dtype, op, world, count, (world * 1000 + count) as u64);
+                let want = reference(dtype, op, &ins);
+                for algo in ["tree", "rhd"] {
+                    let p = plans(world, |r| all_reduce(algo, world, r, count, chunk));
+                    let out = sim::run(&p, dtype, op, &ins, count, 2)
+                        .unwrap_or_else(|e| panic!("{algo} world {world} count {count}: {e}"));
+                    assert!(
+                        out.outputs.iter().all(|o| o == &want),
+                        "{algo} {world} {count} {chunk}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn traffic_matches_the_simulator() {
+    for (dtype, world, count, chunk) in [
+        (DType::F32, 4, 4096, 256),
+        (DType::BF16, 8, 8000, 100),
+        (DType::F16, 6, 1001, 64),
+        (DType::F64, 3, 999, 1000),
+        (DType::I8, 2, 64, 8),
+        (DType::U32, 5, 3, 1),
+        (DType::F32, 33, 500, 7),
+        (DType::BF16, 64, 300, 16),
+        (DType::I64, 7, 0, 4),
+    ] {
+        let (es, acc) = (dtype.size(), dtype.accumulator().size());
+        let ins = exact_inputs(dtype, ReduceOp::Sum, world, count, 1);
+        for algo in ["ring", "tree", "rhd", "direct"] {
+            let p = plans(world, |r| all_reduce(algo, world, r, count, chunk));
+            let out = sim::run(&p, dtype, ReduceOp::Sum, &ins, count, 2).unwrap();
+            for r in 0..world {
+                let (m, b) = all_reduce_traffic(algo, world, r, count, es, acc, chunk);
+                assert_eq!(
+                    (m, b),
+                    (out.messages[r], out.bytes_sent[r]),
+                    "{algo} {dtype:?} world {world} rank {r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn tree_and_rhd_move_about_what_a_ring_moves() {
+    // Double tree: no rank sends more than one buffer of partials plus one of results (a ring sends
+    // (n-1)/n of each); rhd on a power of two sends exactly what the ring does.
+    for world in [16, 33] {
+        let (count, chunk) = (world * 1024, 512);
+        for r in 0..world {
+            let ring = all_reduce_traffic("ring", world, r, count, 4, 4, chunk).1;
+            let tree = all_reduce_traffic("tree", world, r, count, 4, 4, chunk).1;
+            let rhd = all_reduce_traffic("rhd", world, r, count, 4, 4, chunk).1;
+            if world.is_power_of_two() {
+                assert_eq!(rhd, ring);
+            }
+            assert!(ring < count * (4 + 4));
+            assert!(tree <= count * (4 + 4), "world {world} rank {r}: {tree}");
+        }
+    }
+}
+
+#[test]
+fn cost_model_ranks_algorithms() {
+    let f = 1.0;
+    // Latency-bound: large alpha, tiny beta; 64 ranks, a small buffer.
+    let slow_hops = LinkCost {
+        alpha_us: 10.0,
+        beta_us_per_byte: 1e-6,
+        gamma_us_per_byte: 1e-6,
+    };
+    let cost =
+        |a: &str, bytes: usize, link: &LinkCost| all_reduce_cost(a, 64, bytes, f, 1 << 16, link);
+    let ring = cost("ring", 4096, &slow_hops);
+    for a in ["tree", "rhd", "direct"] {
+        assert!(cost(a, 4096, &slow_hops) < ring / 4.0, "{a}");
+    }
+    assert!(cost("direct", 4096, &slow_hops) < cost("tree", 4096, &slow_hops));
+    // Bandwidth-bound: no latency, a large buffer: the ring moves the fewest bytes (rhd ties on a power
+    // of two), direct the most.
+    let fast_hops = LinkCost {
+        alpha_us: 0.0,
+        beta_us_per_byte: 1e-3,
+        gamma_us_per_byte: 1e-4,
+    };
+    for world in [6, 33, 64] {
+        let bytes = 64 << 20;
+        let c = |a: &str| all_reduce_cost(a, world, bytes, 2.0, 1 << 20, &fast_hops);
+        let ring = c("ring");
+        assert!(ring < c("tree"), "world {world}");
+        assert!(ring < c("direct"), "world {world}");
+        if world.is_power_of_two() {
+            assert!((ring - c("rhd")).abs() <= 1e-9 * ring);
+        } else {
+            assert!(ring < c("rhd"), "world {world}");
+        }
+    }
+    // Nothing to do on one rank; unknown algorithms are never chosen.
+    assert_eq!(all_reduce_cost("tree", 1, 1000, f, 100, &slow_hops), 0.0);
+    assert_eq!(
+        all_reduce_cost("bogus", 8, 1000, f, 100, &slow_hops),
+        f64::INFINITY
+    );
+    // More latency or more bytes never costs less.
+    for a in ["ring", "tree", "rhd", "direct"] {
+        let small = all_reduce_cost(a, 8, 1 << 10, f, 1 << 12, &slow_hops);
+        let large = all_reduce_cost(a, 8, 1 << 24, f, 1 << 12, &slow_hops);
+        assert!(small > 0.0 && small < large, "{a}");
+    }
+}
+
+#[test]
+fn world_of_one_is_a_copy() {
+    for algo in ["tree", "rhd"] {
+        assert_eq!(
+            all_reduce(algo, 1, 0, 5, 2),
+            vec![Action::Copy {
+                src: 0..5,
+                dst: 0..5
+            }]
+        );
+    }
+}

@@ -1,0 +1,544 @@
+//! Choosing an algorithm per collective and size: `BRAID_ALGO` overrides, a measured tuning file
+//! (`braid tune`, `BRAID_TUNE_FILE`), and the alpha-beta cost model of `braid-sched` where neither
+//! decides.
+
+use std::fmt;
+use std::str::FromStr;
+
+use braid_core::Error;
+use braid_sched::cost::{all_reduce_cost, LinkCost};
+use serde::{Deserialize, Serialize};
+
+/// A collective algorithm. The names are used everywhere: environment, CLI, logs, JSON.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Algo {
+    /// Reduce-scatter then all-gather around a ring, pipelined in chunks (or a chain for rooted ops).
+    Ring,
+    /// Double binary tree (all-reduce) or binary tree (broadcast, reduce), pipelined.
+    Tree,
+    /// Recursive halving-doubling (Rabenseifner).
+    Rhd,
+    /// Every rank sends to every other rank at once.
+    Direct,
+}
+
+impl Algo {
+    /// Every algorithm.
+    pub const ALL: [Algo; 4] = [Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Direct];
+
+    /// The algorithm's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Algo::Ring => "ring",
+            Algo::Tree => "tree",
+            Algo::Rhd => "rhd",
+            Algo::Direct => "direct",
+        }
+    }
+}
+
+impl fmt::Display for Algo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Algo {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Algo, Error> {
+        Algo::ALL
+            .into_iter()
+            .find(|a| a.name() == s.trim().to_ascii_lowercase())
+            .ok_or_else(|| {
+                Error::invalid(format!("unknown algorithm {s:?} (ring, tree, rhd, direct)"))
+            })
+    }
+}
+
+/// The collectives that have a choice of algorithm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Collective {
+    /// All-reduce.
+    AllReduce,
+    /// All-gather.
+    AllGather,
+    /// Reduce-scatter.
+    ReduceScatter,
+    /// Broadcast.
+    Broadcast,
+    /// Reduce.
+    Reduce,
+}
+
+impl Collective {
+    /// Every collective with a choice.
+    pub const ALL: [Collective; 5] = [
+        Collective::AllReduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+        Collective::Broadcast,
+        Collective::Reduce,
+    ];
+
+    /// Its name in `BRAID_ALGO` and tuning files.
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "allreduce",
+            Collective::AllGather => "allgather",
+            Collective::ReduceScatter => "reducescatter",
+            Collective::Broadcast => "broadcast",
+            Collective::Reduce => "reduce",
+        }
+    }
+
+    /// The algorithms implemented for it.
+    pub fn algos(self) -> &'static [Algo] {
+        match self {
+            Collective::AllReduce => &[Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Direct],
+            Collective::AllGather | Collective::ReduceScatter => &[Algo::Ring, Algo::Direct],
+            Collective::Broadcast | Collective::Reduce => &[Algo::Ring, Algo::Tree],
+        }
+    }
+
+    fn index(self) -> usize {
+        Collective::ALL
+            .iter()
+            .position(|c| *c == self)
+            .expect("listed")
+    }
+}
+
+impl FromStr for Collective {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Collective, Error> {
+        let norm: String = s
+            .trim()
+            .to_ascii_lowercase()
+            .chars()
+            .filter(|c| *c != '_')
+            .collect();
+        Collective::ALL
+            .into_iter()
+            .find(|c| c.name() == norm)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                "unknown collective {s:?} (allreduce, allgather, reducescatter, broadcast, reduce)"
+            ))
+            })
+    }
+}
+
+/// Which algorithms `BRAID_ALGO` allows, per collective.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AlgoPolicy {
+    allowed: [Vec<Algo>; 5],
+}
+
+impl Default for AlgoPolicy {
+    fn default() -> Self {
+        AlgoPolicy {
+            allowed: Collective::ALL.map(|c| c.algos().to_vec()),
+        }
+    }
+}
+
+impl AlgoPolicy {
+    /// Parses `BRAID_ALGO`: `;`-separated items, each `collective:spec` or just `spec` (every
+    /// collective); a spec is a comma-separated list of algorithms, or `^` and a list to exclude.
+    /// Examples: `ring`, `allreduce:tree;allgather:ring`, `allreduce:^direct,rhd`.
+    pub fn parse(text: &str) -> Result<AlgoPolicy, Error> {
+        let mut p = AlgoPolicy::default();
+        for item in text.split(';').map(str::trim).filter(|s| !s.is_empty()) {
+            let (colls, spec) = match item.split_once(':') {
+                Some((c, spec)) => (vec![c.parse::<Collective>()?], spec),
+                None => (Collective::ALL.to_vec(), item),
+            };
+            let (exclude, list) = match spec.trim().strip_prefix('^') {
+                Some(rest) => (true, rest),
+                None => (false, spec),
+            };
+            let named: Vec<Algo> = list
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(str::parse)
+                .collect::<Result<_, _>>()?;
+            if named.is_empty() {
+                return Err(Error::invalid(format!(
+                    "BRAID_ALGO item {item:?} names no algorithm"
+                )));
+            }
+            let single = colls.len() == 1;
+            for c in colls {
+                let allowed: Vec<Algo> = c
+                    .algos()
+                    .iter()
+                    .copied()
+                    .filter(|a| named.contains(a) != exclude)
+                    .collect();
+                if allowed.is_empty() {
+                    if single {
+                        return Err(Error::invalid(format!(
+                            "BRAID_ALGO item {item:?} leaves {} no algorithm (it has {})",
+                            c.name(),
+                            c.algos()
+                                .iter()
+                                .map(|a| a.name())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )));
+                    }
+                    // A global item that does not apply to this collective leaves it alone.
+                    continue;
+                }
+                p.allowed[c.index()] = allowed;
+            }
+        }
+        Ok(p)
+    }
+
+    /// The algorithms allowed for `c`.
+    pub fn allowed(&self, c: Collective) -> &[Algo] {
+        &self.allowed[c.index()]
+    }
+}
+
+/// Measured link parameters (microseconds and microseconds per byte).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LinkParams {
+    /// Latency of one message.
+    pub alpha_us: f64,
+    /// Time per byte moved between ranks.
+    pub beta_us_per_byte: f64,
+    /// Time per byte reduced.
+    pub gamma_us_per_byte: f64,
+}
+
+impl LinkParams {
+    /// Built-in defaults for shared memory on a small machine (about 0.3 µs per message, 5 GB/s moved,
+    /// 8 GB/s reduced).
+    pub const SHM_DEFAULT: LinkParams = LinkParams {
+        alpha_us: 0.3,
+        beta_us_per_byte: 1.0 / 5000.0,
+        gamma_us_per_byte: 1.0 / 8000.0,
+    };
+
+    fn cost(&self) -> LinkCost {
+        LinkCost {
+            alpha_us: self.alpha_us,
+            beta_us_per_byte: self.beta_us_per_byte,
+            gamma_us_per_byte: self.gamma_us_per_byte,
+        }
+    }
+}
+
+/// One measured choice: up to `max_bytes`, use `algo`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TableEntry {
+    /// Largest message size (bytes) this entry covers.
+    pub max_bytes: usize,
+    /// The algorithm that was fastest there.
+    pub algo: String,
+}
+
+/// Measured choices for one collective at one world size.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Table {
+    /// Collective name (`allreduce`, ...).
+    pub collective: String,
+    /// World size measured.
+    pub world: usize,
+    /// Entries sorted by `max_bytes`.
+    pub entries: Vec<TableEntry>,
+}
+
+/// The file `braid tune` writes and `BRAID_TUNE_FILE` names.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TuningFile {
+    /// Format version (1).
+    pub version: u32,
+    /// Shared-memory link parameters.
+    pub shm: LinkParams,
+    /// Measured tables.
+    pub tables: Vec<Table>,
+}
+
+impl TuningFile {
+    /// Reads and validates a tuning file.
+    pub fn load(path: &std::path::Path) -> Result<TuningFile, Error> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::invalid(format!("BRAID_TUNE_FILE {}: {e}", path.display())))?;
+        let f: TuningFile = serde_json::from_str(&text)
+            .map_err(|e| Error::invalid(format!("BRAID_TUNE_FILE {}: {e}", path.display())))?;
+        if f.version != 1 {
+            return Err(Error::invalid(format!(
+                "BRAID_TUNE_FILE {}: version {} (expected 1)",
+                path.display(),
+                f.version
+            )));
+        }
+        for t in &f.tables {
+            let c: Collective = t.collective.parse()?;
+            for e in &t.entries {
+                let a: Algo = e.algo.parse()?;
+                if !c.algos().contains(&a) {
+                    return Err(Error::invalid(format!(
+                        "BRAID_TUNE_FILE: {} has no algorithm {a}",
+                        c.name()
+                    )));
+                }
+            }
+            if t.entries
+                .windows(2)
+                .any(|w| w[0].max_bytes >= w[1].max_bytes)
+            {
+                return Err(Error::invalid(format!(
+                    "BRAID_TUNE_FILE {}: entries of {} at world {} are not sorted by max_bytes",
+                    path.display(),
+                    t.collective,
+                    t.world
+                )));
+            }
+        }
+        Ok(f)
+    }
+
+    /// Adds or replaces the table for (collective, world).
+    pub fn put(&mut self, table: Table) {
+        self.tables
+            .retain(|t| !(t.collective == table.collective && t.world == table.world));
+        self.tables.push(table);
+        self.tables.sort_by(|a, b| {
+            (a.collective.as_str(), a.world).cmp(&(b.collective.as_str(), b.world))
+        });
+    }
+}
+
+/// Picks algorithms for one communicator.
+#[derive(Clone, Debug)]
+pub struct Tuner {
+    world: usize,
+    policy: AlgoPolicy,
+    file: Option<TuningFile>,
+    chunk_bytes: usize,
+    direct_max_bytes: usize,
+    forced: [Option<Algo>; 5],
+}
+
+impl Tuner {
+    /// A tuner for `world` ranks.
+    pub fn new(
+        world: usize,
+        policy: AlgoPolicy,
+        file: Option<TuningFile>,
+        chunk_bytes: usize,
+        direct_max_bytes: usize,
+    ) -> Tuner {
+        Tuner {
+            world,
+            policy,
+            file,
+            chunk_bytes,
+            direct_max_bytes,
+            forced: [None; 5],
+        }
+    }
+
+    /// Forces (or, with `None`, frees) the algorithm of one collective, above every other rule.
+    pub fn force(&mut self, c: Collective, algo: Option<Algo>) -> Result<(), Error> {
+        if let Some(a) = algo {
+            if !c.algos().contains(&a) {
+                return Err(Error::invalid(format!("{} has no algorithm {a}", c.name())));
+            }
+        }
+        self.forced[c.index()] = algo;
+        Ok(())
+    }
+
+    fn link(&self) -> LinkParams {
+        self.file
+            .as_ref()
+            .map_or(LinkParams::SHM_DEFAULT, |f| f.shm)
+    }
+
+    /// Where the choice came from, for logs and `braid perf`: `forced`, `table`, `model` or `rule`.
+    pub fn pick_with_reason(&self, c: Collective, bytes: usize) -> (Algo, &'static str) {
+        if let Some(a) = self.forced[c.index()] {
+            return (a, "forced");
+        }
+        let allowed = self.policy.allowed(c);
+        if allowed.len() == 1 {
+            return (allowed[0], "forced");
+        }
+        if let Some(t) = self.file.as_ref().and_then(|f| {
+            f.tables
+                .iter()
+                .find(|t| t.world == self.world && t.collective == c.name())
+        }) {
+            let entry = t
+                .entries
+                .iter()
+                .find(|e| bytes <= e.max_bytes)
+                .or(t.entries.last());
+            if let Some(a) = entry.and_then(|e| e.algo.parse::<Algo>().ok()) {
+                if allowed.contains(&a) {
+                    return (a, "table");
+                }
+            }
+        }
+        match c {
+            Collective::AllReduce => {
+                let link = self.link().cost();
+                let best = allowed
+                    .iter()
+                    .copied()
+                    .map(|a| {
+                        (
+                            a,
+                            all_reduce_cost(
+                                a.name(),
+                                self.world,
+                                bytes,
+                                1.0,
+                                self.chunk_bytes,
+                                &link,
+                            ),
+                        )
+                    })
+                    .min_by(|x, y| x.1.total_cmp(&y.1))
+                    .map(|(a, _)| a)
+                    .unwrap_or(Algo::Ring);
+                (best, "model")
+            }
+            _ => {
+                let prefer = if bytes <= self.direct_max_bytes {
+                    [Algo::Direct, Algo::Tree]
+                } else {
+                    [Algo::Ring, Algo::Ring]
+                };
+                let a = prefer
+                    .into_iter()
+                    .find(|a| allowed.contains(a))
+                    .unwrap_or(allowed[0]);
+                (a, "rule")
+            }
+        }
+    }
+
+    /// The algorithm for `c` at `bytes`.
+    pub fn pick(&self, c: Collective, bytes: usize) -> Algo {
+        self.pick_with_reason(c, bytes).0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policy_parses_includes_excludes_and_scopes() {
+        let p = AlgoPolicy::parse("allreduce:tree;allgather:ring").unwrap();
+        assert_eq!(p.allowed(Collective::AllReduce), &[Algo::Tree]);
+        assert_eq!(p.allowed(Collective::AllGather), &[Algo::Ring]);
+        assert_eq!(p.allowed(Collective::Broadcast), &[Algo::Ring, Algo::Tree]);
+        let p = AlgoPolicy::parse("^direct").unwrap();
+        assert_eq!(
+            p.allowed(Collective::AllReduce),
+            &[Algo::Ring, Algo::Tree, Algo::Rhd]
+        );
+        assert_eq!(p.allowed(Collective::AllGather), &[Algo::Ring]);
+        let p = AlgoPolicy::parse("ring").unwrap();
+        assert!(Collective::ALL
+            .iter()
+            .all(|c| p.allowed(*c) == [Algo::Ring]));
+        // A global "tree" applies where a tree exists and leaves the rest alone.
+        let p = AlgoPolicy::parse("tree").unwrap();
+        assert_eq!(
+            p.allowed(Collective::AllGather),
+            &[Algo::Ring, Algo::Direct]
+        );
+        assert_eq!(p.allowed(Collective::Reduce), &[Algo::Tree]);
+        for bad in [
+            "butterfly",
+            "allreduce:",
+            "allgather:tree",
+            "everything:ring",
+            "allreduce:^ring,tree,rhd,direct",
+        ] {
+            let e = AlgoPolicy::parse(bad).unwrap_err();
+            assert!(e.is_invalid_argument(), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn tables_then_model_decide_and_forcing_wins() {
+        let file = TuningFile {
+            version: 1,
+            shm: LinkParams::SHM_DEFAULT,
+            tables: vec![Table {
+                collective: "allreduce".into(),
+                world: 4,
+                entries: vec![
+                    TableEntry {
+                        max_bytes: 4096,
+                        algo: "direct".into(),
+                    },
+                    TableEntry {
+                        max_bytes: 1 << 20,
+                        algo: "tree".into(),
+                    },
+                    TableEntry {
+                        max_bytes: 64 << 20,
+                        algo: "ring".into(),
+                    },
+                ],
+            }],
+        };
+        let mut t = Tuner::new(4, AlgoPolicy::default(), Some(file.clone()), 1 << 17, 16384);
+        assert_eq!(
+            t.pick_with_reason(Collective::AllReduce, 8),
+            (Algo::Direct, "table")
+        );
+        assert_eq!(t.pick(Collective::AllReduce, 5000), Algo::Tree);
+        assert_eq!(t.pick(Collective::AllReduce, 1 << 30), Algo::Ring);
+        t.force(Collective::AllReduce, Some(Algo::Rhd)).unwrap();
+        assert_eq!(
+            t.pick_with_reason(Collective::AllReduce, 8),
+            (Algo::Rhd, "forced")
+        );
+        assert!(t.force(Collective::AllGather, Some(Algo::Tree)).is_err());
+        // Another world size: the table does not apply, the model does.
+        let t = Tuner::new(8, AlgoPolicy::default(), Some(file), 1 << 17, 16384);
+        assert_eq!(
+            t.pick_with_reason(Collective::AllReduce, 1 << 26).1,
+            "model"
+        );
+        // The policy filters table entries.
+        let t = Tuner::new(
+            4,
+            AlgoPolicy::parse("allreduce:^direct").unwrap(),
+            None,
+            1 << 17,
+            16384,
+        );
+        assert_ne!(t.pick(Collective::AllReduce, 8), Algo::Direct);
+    }
+
+    #[test]
+    fn tuning_files_are_validated() {
+        let dir = std::env::temp_dir();
+        let p = dir.join(format!("braid-tune-test-{}.json", std::process::id()));
+        std::fs::write(&p, r#"{"version":1,"shm":{"alpha_us":0.3,"beta_us_per_byte":0.0002,"gamma_us_per_byte":0.0001},"tables":[{"collective":"allgather","world":2,"entries":[{"max_bytes":8,"algo":"tree"}]}]}"#).unwrap();
+        assert!(TuningFile::load(&p)
+            .unwrap_err()
+            .to_string()
+            .contains("no algorithm tree"));
+        std::fs::write(&p, "not json").unwrap();
+        assert!(TuningFile::load(&p)
+            .unwrap_err()
+            .to_string()
+            .contains("BRAID_TUNE_FILE"));
+        std::fs::remove_file(&p).unwrap();
+        assert!(TuningFile::load(&p).is_err());
+    }
+}
