@@ -178,6 +178,19 @@ fn measure_bound(bytes: usize, iters: usize, dtype: DType) -> f64 {
     t.elapsed().as_secs_f64() / iters as f64
 }
 
+/// Interleaved timing rounds per algorithm in `--algo all`.
+const ALGO_ROUNDS: usize = 5;
+
+/// The median of `v` (sorted in place).
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 /// One rank's benchmark state: the buffers, reused across sizes.
 struct Bench<'a> {
     comm: &'a Communicator,
@@ -216,13 +229,8 @@ impl Bench<'_> {
         for _ in 0..a.warmup {
             once(send, recv)?;
         }
-        comm.barrier()?;
-        let t = Instant::now();
-        for _ in 0..a.iters {
-            once(send, recv)?;
-        }
-        let secs = max_over_ranks(comm, t.elapsed().as_secs_f64() / a.iters.max(1) as f64)?;
         let wrong = sum_over_ranks(comm, w)?;
+        let secs = self.time_only(bytes, in_place)?;
         let algbw = bytes as f64 / secs / 1e9;
         Ok(Cell {
             time_us: secs * 1e6,
@@ -230,6 +238,22 @@ impl Bench<'_> {
             busbw: algbw * self.factor,
             wrong,
         })
+    }
+
+    /// Times `iters` calls after a barrier: the slowest rank's average, in seconds.
+    fn time_only(&mut self, bytes: usize, in_place: bool) -> Result<f64, Error> {
+        let (comm, a) = (self.comm, self.a);
+        let (send, recv) = (&self.send[..bytes], &mut self.recv[..bytes]);
+        comm.barrier()?;
+        let t = Instant::now();
+        for _ in 0..a.iters {
+            if in_place {
+                comm.all_reduce_bytes_in_place(recv, a.dtype, a.op)?;
+            } else {
+                comm.all_reduce_bytes(send, recv, a.dtype, a.op)?;
+            }
+        }
+        max_over_ranks(comm, t.elapsed().as_secs_f64() / a.iters.max(1) as f64)
     }
 }
 
@@ -318,11 +342,33 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
         if all_algos {
             let (pick, _) = comm.algorithm(Collective::AllReduce, bytes);
             let mut cells = std::collections::BTreeMap::new();
+            // Check and time each algorithm, then time them again in interleaved rounds: on a shared
+            // machine a single batch is at the mercy of whatever else runs; the median of the rounds is not.
+            let mut times: std::collections::BTreeMap<&'static str, Vec<f64>> = Default::default();
             for algo in Collective::AllReduce.algos() {
                 comm.set_algorithm(Collective::AllReduce, Some(*algo))?;
                 let c = bench.measure(bytes, false, &want)?;
                 total_wrong += c.wrong;
+                times.entry(algo.name()).or_default().push(c.time_us / 1e6);
                 cells.insert(algo.name(), c);
+            }
+            for _ in 1..ALGO_ROUNDS {
+                for algo in Collective::AllReduce.algos() {
+                    comm.set_algorithm(Collective::AllReduce, Some(*algo))?;
+                    let t = bench.time_only(bytes, false)?;
+                    times.entry(algo.name()).or_default().push(t);
+                }
+            }
+            for (name, ts) in &mut times {
+                let secs = median(ts);
+                let algbw = bytes as f64 / secs / 1e9;
+                let c = cells.get_mut(name).expect("measured");
+                *c = Cell {
+                    time_us: secs * 1e6,
+                    algbw,
+                    busbw: algbw * factor,
+                    wrong: c.wrong,
+                };
             }
             comm.set_algorithm(Collective::AllReduce, None)?;
             let best = cells

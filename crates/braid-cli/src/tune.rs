@@ -7,6 +7,9 @@ use braid::tune::{LinkParams, Table, TableEntry, TuningFile};
 use braid::{Algo, Collective, Communicator, DType, Error, ReduceOp};
 use braid_core::reduce::{self, Src};
 
+/// Interleaved timing rounds per point.
+const TUNE_ROUNDS: usize = 5;
+
 /// What to measure.
 pub struct TuneArgs {
     pub min_bytes: usize,
@@ -71,31 +74,42 @@ pub fn run(comm: &Communicator, a: &TuneArgs) -> Result<(), Error> {
     }
     for &size in &sizes {
         let bytes = size / 4 * 4;
-        let mut times = Vec::new();
-        for &algo in Collective::AllReduce.algos() {
-            comm.set_algorithm(Collective::AllReduce, Some(algo))?;
-            for _ in 0..a.warmup {
-                comm.all_reduce_bytes(
-                    &send[..bytes],
-                    &mut recv[..bytes],
-                    DType::F32,
-                    ReduceOp::Sum,
-                )?;
+        // Interleaved rounds, median per algorithm: robust to whatever else the machine is doing.
+        let algos = Collective::AllReduce.algos();
+        let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); algos.len()];
+        for round in 0..TUNE_ROUNDS {
+            for (i, &algo) in algos.iter().enumerate() {
+                comm.set_algorithm(Collective::AllReduce, Some(algo))?;
+                if round == 0 {
+                    for _ in 0..a.warmup {
+                        comm.all_reduce_bytes(
+                            &send[..bytes],
+                            &mut recv[..bytes],
+                            DType::F32,
+                            ReduceOp::Sum,
+                        )?;
+                    }
+                }
+                comm.barrier()?;
+                let t = Instant::now();
+                for _ in 0..a.iters {
+                    comm.all_reduce_bytes(
+                        &send[..bytes],
+                        &mut recv[..bytes],
+                        DType::F32,
+                        ReduceOp::Sum,
+                    )?;
+                }
+                let mut x = [t.elapsed().as_secs_f64() * 1e6 / a.iters.max(1) as f64];
+                comm.all_reduce_in_place(&mut x, ReduceOp::Max)?;
+                rounds[i].push(x[0]);
             }
-            comm.barrier()?;
-            let t = Instant::now();
-            for _ in 0..a.iters {
-                comm.all_reduce_bytes(
-                    &send[..bytes],
-                    &mut recv[..bytes],
-                    DType::F32,
-                    ReduceOp::Sum,
-                )?;
-            }
-            let mut x = [t.elapsed().as_secs_f64() * 1e6 / a.iters.max(1) as f64];
-            comm.all_reduce_in_place(&mut x, ReduceOp::Max)?;
-            times.push((algo, x[0]));
         }
+        let times: Vec<(Algo, f64)> = algos
+            .iter()
+            .zip(&mut rounds)
+            .map(|(a, r)| (*a, crate::perf::median(r)))
+            .collect();
         comm.set_algorithm(Collective::AllReduce, None)?;
         let (best, t_best) = times
             .iter()
