@@ -58,6 +58,11 @@ pub struct Config {
     pub direct_max_bytes: usize,
     /// Log verbosity (`BRAID_DEBUG`).
     pub debug: DebugLevel,
+    /// Compare every collective's fingerprint across ranks before running it (`BRAID_DEBUG_CHECKS`).
+    pub debug_checks: bool,
+    /// Log the flight recorder (the last collectives) when a collective fails (`BRAID_DUMP_ON_TIMEOUT`,
+    /// default on).
+    pub dump_on_timeout: bool,
 }
 
 impl Default for Config {
@@ -71,6 +76,8 @@ impl Default for Config {
             tune_file: None,
             direct_max_bytes: 16 * 1024,
             debug: DebugLevel::Error,
+            debug_checks: false,
+            dump_on_timeout: true,
         }
     }
 }
@@ -129,6 +136,12 @@ impl Config {
         }
         if let Some(v) = lookup("BRAID_DIRECT_MAX_BYTES") {
             c.direct_max_bytes = parse_num("BRAID_DIRECT_MAX_BYTES", &v, 0, 64 << 20)? as usize;
+        }
+        if let Some(v) = lookup("BRAID_DEBUG_CHECKS") {
+            c.debug_checks = parse_bool("BRAID_DEBUG_CHECKS", &v)?;
+        }
+        if let Some(v) = lookup("BRAID_DUMP_ON_TIMEOUT") {
+            c.dump_on_timeout = parse_bool("BRAID_DUMP_ON_TIMEOUT", &v)?;
         }
         if let Some(v) = lookup("BRAID_DEBUG") {
             c.debug = match v.trim().to_ascii_lowercase().as_str() {

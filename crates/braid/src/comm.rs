@@ -50,6 +50,7 @@ struct Inner {
     shutdown: AtomicBool,
     sticky: Mutex<Option<Error>>,
     maps: Option<Arc<Mappings>>,
+    recorder: crate::recorder::Recorder,
     progress: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -239,17 +240,13 @@ impl Communicator {
         let abort = Arc::new(AtomicBool::new(false));
         let maps = transport.as_ref().map(|t| t.mappings());
         debug!(rank, world, "communicator ready");
+        let executor = Executor::new(rank, world, config.clone(), tuner, transport, abort.clone());
+        let recorder = executor.recorder.clone();
         let inner = Inner {
             rank,
             world,
-            exec: Mutex::new(Executor::new(
-                rank,
-                world,
-                config.clone(),
-                tuner,
-                transport,
-                abort.clone(),
-            )),
+            exec: Mutex::new(executor),
+            recorder,
             config,
             queue: Mutex::new(VecDeque::new()),
             queued: Condvar::new(),
@@ -297,6 +294,12 @@ impl Communicator {
     /// braid). Every rank must make the same call at the same point in its sequence of collectives.
     pub fn set_algorithm(&self, c: Collective, algo: Option<Algo>) -> Result<(), Error> {
         self.inner.exec.lock().tuner.force(c, algo)
+    }
+
+    /// The last collectives of this communicator (up to 64), oldest first: what ran, with which
+    /// algorithm, for how long, and how it ended. Readable while a collective is blocked.
+    pub fn flight_record(&self) -> Vec<crate::FlightRecord> {
+        self.inner.recorder.snapshot()
     }
 
     /// The first error that made this communicator unusable, if any.

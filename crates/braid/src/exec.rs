@@ -15,9 +15,11 @@ use braid_core::{Config, DType, Error, ReduceOp};
 use braid_sched::{direct, rhd, ring, tree, Action, Buf};
 use braid_transport::shm::{RecvSlot, ShmTransport};
 use braid_transport::WaitCtx;
-use tracing::trace;
+use tracing::{error, trace};
 
+use crate::recorder::Recorder;
 use crate::tune::{Algo, Collective, Tuner};
+use crate::wire::Fingerprint;
 
 /// Which collective an op runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -163,6 +165,7 @@ pub(crate) struct Executor {
     transport: Option<ShmTransport>,
     abort: Arc<AtomicBool>,
     seq: u64,
+    pub recorder: Recorder,
     cache: Option<(PlanKey, Vec<Action>)>,
     /// Accumulator-typed scratch for schedules that merge several partials at one rank (u64 words, so
     /// it is aligned for every accumulator type).
@@ -194,6 +197,7 @@ impl Executor {
             transport,
             abort,
             seq: 0,
+            recorder: Recorder::default(),
             cache: None,
             scratch: Vec::new(),
         }
@@ -232,17 +236,44 @@ impl Executor {
     pub(crate) fn run(&mut self, op: &Op) -> Result<(), Error> {
         let seq = self.seq;
         self.seq += 1;
-        if op.count == 0 && op.kind != Kind::Barrier {
-            return Ok(());
-        }
         let es = op.dtype.size();
-        let chunk = match &self.transport {
-            Some(t) => t.slot_bytes() / op.dtype.accumulator().size(),
-            None => usize::MAX,
-        };
         let algo = match op.kind.collective() {
             Some(c) => self.tuner.pick(c, op.count * es),
             None => Algo::Direct,
+        };
+        let started = Instant::now();
+        self.recorder.start(seq, op, algo);
+        let result = self.run_plan(op, seq, algo, started);
+        self.recorder.finish(seq, &result, started.elapsed());
+        if let Err(e) = &result {
+            if self.config.dump_on_timeout && !e.is_invalid_argument() {
+                error!("rank {} {}", self.rank, self.recorder.dump());
+            }
+        }
+        result
+    }
+
+    fn run_plan(&mut self, op: &Op, seq: u64, algo: Algo, started: Instant) -> Result<(), Error> {
+        let es = op.dtype.size();
+        let abort = self.abort.clone();
+        let ctx = WaitCtx {
+            rank: self.rank,
+            collective: op.kind.name(),
+            seq,
+            deadline: started + self.config.timeout,
+            started,
+            abort: &abort,
+        };
+        if let (Some(t), true) = (&self.transport, self.config.debug_checks) {
+            t.set_tag(seq as u32);
+            check_fingerprints(t, &ctx, self.world, op, seq)?;
+        }
+        if op.count == 0 && op.kind != Kind::Barrier {
+            return Ok(());
+        }
+        let chunk = match &self.transport {
+            Some(t) => t.slot_bytes() / op.dtype.accumulator().size(),
+            None => usize::MAX,
         };
         let key = PlanKey {
             kind: op.kind,
@@ -252,15 +283,6 @@ impl Executor {
         };
         let plan = self.plan(key);
         trace!(rank = self.rank, seq, op = op.kind.name(), count = op.count, dtype = %op.dtype, algo = algo.name(), "run");
-        let started = Instant::now();
-        let ctx = WaitCtx {
-            rank: self.rank,
-            collective: op.kind.name(),
-            seq,
-            deadline: started + self.config.timeout,
-            started,
-            abort: &self.abort,
-        };
         let acc_bytes = (op.send_len / es).saturating_mul(op.dtype.accumulator().size());
         if plan.iter().any(|a| matches!(a, Action::LoadAcc { .. }))
             && self.scratch.len() * 8 < acc_bytes
@@ -283,6 +305,62 @@ impl Executor {
         self.cache = Some((key, plan));
         result
     }
+}
+
+/// The op as a fingerprint other ranks can compare with theirs.
+fn fingerprint(op: &Op, seq: u64) -> Fingerprint {
+    let (kind, root) = match op.kind {
+        Kind::AllReduce => (0, 0),
+        Kind::ReduceScatter => (1, 0),
+        Kind::AllGather => (2, 0),
+        Kind::Broadcast { root } => (3, root),
+        Kind::Reduce { root } => (4, root),
+        Kind::Barrier => (5, 0),
+    };
+    Fingerprint {
+        kind,
+        dtype: op.dtype as u8,
+        redop: op.redop as u8,
+        root: root as u32,
+        seq,
+        count: op.count as u64,
+    }
+}
+
+/// Sends this rank's fingerprint to every peer and compares theirs with it (`BRAID_DEBUG_CHECKS`).
+fn check_fingerprints(
+    t: &ShmTransport,
+    ctx: &WaitCtx<'_>,
+    world: usize,
+    op: &Op,
+    seq: u64,
+) -> Result<(), Error> {
+    let mine = fingerprint(op, seq);
+    let bytes = mine.encode();
+    for k in 1..world {
+        let mut s = t.send_slot((ctx.rank + k) % world, ctx)?;
+        s.data()[..bytes.len()].copy_from_slice(&bytes);
+        s.post(bytes.len());
+    }
+    let mut first_err = None;
+    for k in 1..world {
+        let p = (ctx.rank + world - k) % world;
+        let m = t.recv(p, ctx)?;
+        let theirs = Fingerprint::decode(m.data());
+        let detail = match theirs {
+            Ok(f) if f == mine => continue,
+            Ok(f) => format!("rank {} runs {mine}; rank {p} runs {f}", ctx.rank),
+            Err(e) => format!("rank {p} sent a malformed fingerprint: {e}"),
+        };
+        first_err.get_or_insert(Error::Mismatch {
+            rank: ctx.rank,
+            peer: p,
+            collective: ctx.collective.to_string(),
+            seq,
+            detail,
+        });
+    }
+    first_err.map_or(Ok(()), Err)
 }
 
 fn local_step(bufs: &Bufs<'_>, a: &Action) -> Result<(), Error> {

@@ -22,6 +22,7 @@ mod comm;
 mod exec;
 mod id;
 mod job;
+pub mod recorder;
 pub mod tune;
 pub mod wire;
 
@@ -29,4 +30,5 @@ pub use braid_core::{Config, DType, DebugLevel, Element, Error, ReduceOp, Result
 pub use comm::{Communicator, Work};
 pub use id::UniqueId;
 pub use job::JobEnv;
+pub use recorder::FlightRecord;
 pub use tune::{Algo, Collective};

@@ -258,3 +258,65 @@ fn world_of_one_copies() {
         c.barrier().unwrap();
     });
 }
+
+#[test]
+fn debug_checks_show_both_fingerprints_of_a_mismatch() {
+    let cfg = Config {
+        debug_checks: true,
+        ..config(10_000)
+    };
+    let out = with_ranks(2, cfg, |c| {
+        // Agreeing calls pass the check.
+        let mut x = vec![1.0f32; 10];
+        c.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+        assert_eq!(x, vec![2.0; 10]);
+        // Then rank 0 reduces 100 floats while rank 1 broadcasts 100 from rank 1.
+        let mut y = vec![1.0f32; 100];
+        if c.rank() == 0 {
+            c.all_reduce_in_place(&mut y, ReduceOp::Sum).unwrap_err()
+        } else {
+            c.broadcast_in_place(&mut y, 1).unwrap_err()
+        }
+    });
+    for (r, e) in out.iter().enumerate() {
+        let text = e.to_string();
+        assert!(
+            matches!(e, Error::Mismatch { seq: 1, .. }),
+            "rank {r}: {text}"
+        );
+        assert!(
+            text.contains("all_reduce #1 count 100 float sum")
+                && text.contains("broadcast #1 count 100 float root 1"),
+            "rank {r}: {text}"
+        );
+    }
+}
+
+#[test]
+fn the_flight_recorder_shows_what_ran_and_what_failed() {
+    let out = with_ranks(2, config(300), |c| {
+        let mut x = vec![0u64; 1000];
+        c.all_reduce_in_place(&mut x, ReduceOp::Max).unwrap();
+        c.barrier().unwrap();
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(1200));
+            return Vec::new();
+        }
+        let _ = c.all_gather_in_place(&mut x);
+        c.flight_record()
+    });
+    let rec = &out[0];
+    assert_eq!(rec.len(), 3, "{rec:?}");
+    assert_eq!(
+        (rec[0].op, rec[0].count, rec[0].dtype),
+        ("all_reduce", 1000, "uint64")
+    );
+    assert_eq!(rec[1].op, "barrier");
+    assert_eq!(rec[1].state, braid::recorder::State::Done);
+    assert_eq!(rec[2].op, "all_gather");
+    assert!(
+        matches!(&rec[2].state, braid::recorder::State::Failed(e) if e.contains("timed out")),
+        "{:?}",
+        rec[2]
+    );
+}
