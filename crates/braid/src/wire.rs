@@ -307,6 +307,11 @@ impl Fingerprint {
                 Self::LEN
             )));
         }
+        if b[3] != 0 {
+            return Err(DecodeError(
+                "fingerprint with a non-zero reserved byte".into(),
+            ));
+        }
         let f = Fingerprint {
             kind: b[0],
             dtype: b[1],
