@@ -458,6 +458,21 @@ fn test_algorithms() {
             start.elapsed().as_secs_f64()
         );
     }
+    // Rings split over channels running both ways.
+    for n in [3, 4] {
+        let env = [
+            ("BRAID_TIMEOUT_MS", "60000"),
+            ("BRAID_CHUNK_BYTES", "16384"),
+            ("BRAID_CHANNELS", "3"),
+        ];
+        let o = braid_run(n, &["algorithms"], &env);
+        assert!(
+            o.status.success(),
+            "algorithms on {n} ranks, 3 channels, failed:\n{}",
+            show(&o)
+        );
+        println!("  every algorithm on {n} ranks with 3 channels: ok");
+    }
 }
 
 fn test_launcher_stops_everyone_when_one_rank_fails() {

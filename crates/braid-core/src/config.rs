@@ -45,6 +45,8 @@ pub struct Config {
     pub chunk_bytes: usize,
     /// Slots per channel, how far a sender may run ahead (`BRAID_SLOTS`, default 8).
     pub slots: usize,
+    /// Rings a ring all-reduce is split over, alternating direction (`BRAID_CHANNELS`, default 1).
+    pub channels: usize,
     /// How long a wait spins before it blocks, in microseconds (`BRAID_SPIN_US`; default: 20 when there
     /// are at least as many cores as local ranks, 0 when ranks outnumber cores).
     pub spin_us: Option<u64>,
@@ -71,6 +73,7 @@ impl Default for Config {
             timeout: Duration::from_millis(300_000),
             chunk_bytes: 128 * 1024,
             slots: 8,
+            channels: 1,
             spin_us: None,
             algo: None,
             tune_file: None,
@@ -123,6 +126,9 @@ impl Config {
         }
         if let Some(v) = lookup("BRAID_SLOTS") {
             c.slots = parse_num("BRAID_SLOTS", &v, 2, 64)? as usize;
+        }
+        if let Some(v) = lookup("BRAID_CHANNELS") {
+            c.channels = parse_num("BRAID_CHANNELS", &v, 1, 16)? as usize;
         }
         if let Some(v) = lookup("BRAID_SPIN_US") {
             c.spin_us = Some(parse_num("BRAID_SPIN_US", &v, 0, 10_000_000)?);

@@ -13,6 +13,19 @@ use crate::{chunk_of, chunks_needed, partition, Action, Buf};
 
 /// Ring all-reduce of `count` elements on rank `rank` of `world`, `chunk` elements per message.
 pub fn all_reduce(world: usize, rank: usize, count: usize, chunk: usize) -> Vec<Action> {
+    all_reduce_channels(world, rank, count, chunk, 1)
+}
+
+/// Ring all-reduce split over `channels` rings: channel `c` carries the `c`-th part of the buffer, and
+/// odd channels run the ring in the opposite direction, so every link carries data both ways. The
+/// channels' chunks are interleaved, so all rings progress together.
+pub fn all_reduce_channels(
+    world: usize,
+    rank: usize,
+    count: usize,
+    chunk: usize,
+    channels: usize,
+) -> Vec<Action> {
     check(world, rank);
     if world == 1 {
         return vec![Action::Copy {
@@ -20,23 +33,69 @@ pub fn all_reduce(world: usize, rank: usize, count: usize, chunk: usize) -> Vec<
             dst: 0..count,
         }];
     }
-    let segs = partition(count, world);
-    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
-    let seg = |k: usize, c: usize| chunk_of(&segs[k % world], c, chunk);
-    let mut plan = Vec::with_capacity(chunks_needed(&segs, chunk) * 2 * (world - 1));
-    for c in 0..chunks_needed(&segs, chunk) {
+    let rings: Vec<Ring> = partition(count, channels.max(1))
+        .into_iter()
+        .enumerate()
+        .map(|(c, part)| Ring::new(world, rank, c % 2 == 1, part))
+        .collect();
+    let positions = rings
+        .iter()
+        .map(|r| chunks_needed(&r.segs, chunk))
+        .max()
+        .unwrap_or(1);
+    let mut plan = Vec::with_capacity(positions * rings.len() * 2 * (world - 1));
+    for c in 0..positions {
+        for ring in &rings {
+            ring.push_position(&mut plan, c, chunk);
+        }
+    }
+    plan
+}
+
+/// One ring of an all-reduce, seen from one rank: its virtual position, neighbours and segments.
+struct Ring {
+    world: usize,
+    /// This rank's position on the ring (it owns segment `v`).
+    v: usize,
+    next: usize,
+    prev: usize,
+    segs: Vec<std::ops::Range<usize>>,
+}
+
+impl Ring {
+    fn new(world: usize, rank: usize, reversed: bool, part: std::ops::Range<usize>) -> Ring {
+        // Position v of the reversed ring is rank (n - v) mod n: 0, n-1, n-2, ..., 1.
+        let to_rank = |v: usize| if reversed { (world - v) % world } else { v };
+        let v = to_rank(rank);
+        let segs = partition(part.len(), world)
+            .into_iter()
+            .map(|s| s.start + part.start..s.end + part.start)
+            .collect();
+        Ring {
+            world,
+            v,
+            next: to_rank((v + 1) % world),
+            prev: to_rank((v + world - 1) % world),
+            segs,
+        }
+    }
+
+    /// The actions of chunk position `c`: reduce-scatter then all-gather of that chunk of every segment.
+    fn push_position(&self, plan: &mut Vec<Action>, c: usize, chunk: usize) {
+        let (world, v, next, prev) = (self.world, self.v, self.next, self.prev);
+        let seg = |k: usize| chunk_of(&self.segs[k % world], c, chunk);
         plan.push(Action::SendAcc {
             to: next,
-            range: seg(rank + world - 1, c),
+            range: seg(v + world - 1),
         });
         for s in 1..world - 1 {
             plan.push(Action::RecvReduceSend {
                 from: prev,
                 to: next,
-                range: seg(rank + 2 * world - s - 1, c),
+                range: seg(v + 2 * world - s - 1),
             });
         }
-        let own = seg(rank, c);
+        let own = seg(v);
         plan.push(Action::RecvReduceFinal {
             from: prev,
             input: own.clone(),
@@ -48,12 +107,11 @@ pub fn all_reduce(world: usize, rank: usize, count: usize, chunk: usize) -> Vec<
             let forward = (t < world - 1).then_some(next);
             plan.push(Action::RecvCopy {
                 from: prev,
-                output: seg(rank + world - t, c),
+                output: seg(v + world - t),
                 forward,
             });
         }
     }
-    plan
 }
 
 /// Ring reduce-scatter: the input holds `world · recv_count` elements, rank `r` ends with block `r`.

@@ -186,3 +186,34 @@ fn barrier_completes_and_mismatch_is_caught() {
         Err(sim::SimError::Deadlock(_))
     ));
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
+
+    #[test]
+    fn multi_channel_rings(dtype in dtypes(), op in ops(), world in 1usize..=9, count in 0usize..300,
+        chunk in 1usize..30, depth in 2usize..4, channels in 1usize..5, seed in any::<u64>()) {
+        let ins = exact_inputs(dtype, op, world, count, seed);
+        let want = reference(dtype, op, &ins);
+        let p = plans(world, |r| ring::all_reduce_channels(world, r, count, chunk, channels));
+        let out = sim::run(&p, dtype, op, &ins, count, depth).unwrap();
+        for o in &out.outputs {
+            prop_assert_eq!(o, &want);
+        }
+    }
+}
+
+#[test]
+fn two_channels_use_both_directions() {
+    let ins = exact_inputs(DType::F32, ReduceOp::Sum, 4, 4000, 3);
+    let p = plans(4, |r| ring::all_reduce_channels(4, r, 4000, 100, 2));
+    let out = sim::run(&p, DType::F32, ReduceOp::Sum, &ins, 4000, 2).unwrap();
+    // Same bytes as one ring, half of them each way.
+    assert!(out.bytes_sent.iter().all(|b| *b == 3 * 1000 * 8));
+    let sends_to = |r: usize, to: usize| {
+        p[r].iter()
+            .filter(|a| matches!(a, Action::SendAcc { to: t, .. } if *t == to))
+            .count()
+    };
+    assert!(sends_to(0, 1) > 0 && sends_to(0, 3) > 0);
+}

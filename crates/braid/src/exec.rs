@@ -216,7 +216,9 @@ impl Executor {
         }
         let (n, r, c, chunk) = (self.world, self.rank, key.count, key.chunk);
         match (key.kind, key.algo) {
-            (Kind::AllReduce, Algo::Ring) => ring::all_reduce(n, r, c, chunk),
+            (Kind::AllReduce, Algo::Ring) => {
+                ring::all_reduce_channels(n, r, c, chunk, self.config.channels)
+            }
             (Kind::AllReduce, Algo::Tree) => tree::all_reduce(n, r, c, chunk),
             (Kind::AllReduce, Algo::Rhd) => rhd::all_reduce(n, r, c, chunk),
             (Kind::AllReduce, Algo::Direct) => direct::all_reduce(n, r, c, chunk),
