@@ -43,6 +43,9 @@ const H_PID: usize = 20;
 const H_SLOTS: usize = 24;
 const H_SLOT_BYTES: usize = 28;
 const H_FAILED: usize = 64;
+/// Whom this rank is blocked waiting for (rank + 1; 0 when not blocked), so that a timing-out peer can
+/// follow the chain of waits to the rank that is actually silent.
+const H_WAITING_ON: usize = 68;
 
 // Slot header offsets.
 const S_SEQ: usize = 0;
@@ -327,6 +330,8 @@ pub struct ShmTransport {
     credit_seen: Vec<Cell<u32>>,
     reserved: Vec<Cell<bool>>,
     tag: Cell<u32>,
+    /// Whether this rank has published a wait in its header.
+    blocked: Cell<bool>,
 }
 
 impl ShmTransport {
@@ -347,6 +352,7 @@ impl ShmTransport {
             credit_seen: (0..n).map(|_| Cell::new(0)).collect(),
             reserved: (0..n).map(|_| Cell::new(false)).collect(),
             tag: Cell::new(0),
+            blocked: Cell::new(false),
         }
     }
 
@@ -370,7 +376,15 @@ impl ShmTransport {
         self.maps.peers[p].as_ref().expect("no channel to self")
     }
 
+    /// Called between sleeps of a blocked wait: publishes whom we wait for, and checks that peer.
     fn check_peer(&self, ctx: &WaitCtx<'_>, p: usize) -> Result<(), Error> {
+        if !self.blocked.get() {
+            self.blocked.set(true);
+            self.maps
+                .own
+                .word(H_WAITING_ON)
+                .store(p as u32 + 1, Ordering::Release);
+        }
         let seg = self.peer(p);
         if seg.failed() {
             return Err(ctx.peer_failed(p, "failed or aborted"));
@@ -379,6 +393,65 @@ impl ShmTransport {
             return Err(ctx.peer_failed(p, format!("died (pid {} is gone)", seg.pid())));
         }
         Ok(())
+    }
+
+    /// Ends a wait: clears the published wait, and turns a timeout into one that names the rank at the
+    /// end of the chain of waits (the one that is silent), not merely the neighbour we waited for.
+    fn end_wait(&self, r: Result<(), Error>) -> Result<(), Error> {
+        if self.blocked.get() {
+            self.blocked.set(false);
+            self.maps.own.word(H_WAITING_ON).store(0, Ordering::Release);
+        }
+        match r {
+            Err(Error::Timeout {
+                rank,
+                peer,
+                collective,
+                seq,
+                waited_ms,
+                what,
+            }) => {
+                let mut chain = vec![peer];
+                let mut cur = peer;
+                loop {
+                    let seg = if cur == self.maps.rank {
+                        &self.maps.own
+                    } else {
+                        self.peer(cur)
+                    };
+                    let w = seg.word(H_WAITING_ON).load(Ordering::Acquire) as usize;
+                    if w == 0
+                        || w > self.layout.world
+                        || chain.contains(&(w - 1))
+                        || w - 1 == self.maps.rank
+                    {
+                        break;
+                    }
+                    cur = w - 1;
+                    chain.push(cur);
+                }
+                let culprit = cur;
+                let what = if chain.len() > 1 {
+                    let path: Vec<String> = chain.iter().map(|r| r.to_string()).collect();
+                    format!(
+                        "{what}; rank {} is itself waiting: chain of waits {}",
+                        peer,
+                        path.join(" → ")
+                    )
+                } else {
+                    what
+                };
+                Err(Error::Timeout {
+                    rank,
+                    peer: culprit,
+                    collective,
+                    seq,
+                    waited_ms,
+                    what,
+                })
+            }
+            other => other,
+        }
     }
 
     /// Waits for a free slot in `to`'s channel from this rank and hands it out for writing.
@@ -395,7 +468,7 @@ impl ShmTransport {
                 self.credit_seen[to].set(c);
                 s.wrapping_sub(c) < slots
             };
-            wait_until(
+            let r = wait_until(
                 &self.policy,
                 ctx,
                 to,
@@ -404,7 +477,8 @@ impl ShmTransport {
                 seg.ctrl(me, C_SEND_WAITING),
                 has_credit,
                 || self.check_peer(ctx, to),
-            )?;
+            );
+            self.end_wait(r)?;
         }
         let ptr = seg.slot_ptr(me, (s % slots) as usize);
         self.reserved[to].set(true);
@@ -427,7 +501,7 @@ impl ShmTransport {
         let index = (r % self.layout.slots as u32) as usize;
         let seq = own.slot_seq(from, index);
         let want = r.wrapping_add(1);
-        wait_until(
+        let r = wait_until(
             &self.policy,
             ctx,
             from,
@@ -436,7 +510,8 @@ impl ShmTransport {
             own.ctrl(from, C_RECV_WAITING),
             || seq.load(Ordering::Acquire) == want,
             || self.check_peer(ctx, from),
-        )?;
+        );
+        self.end_wait(r)?;
         let ptr = own.slot_ptr(from, index);
         // SAFETY: the slot header is within the mapping; the sender wrote it before the Release store of
         // the sequence word that the Acquire load above observed.

@@ -170,3 +170,25 @@ fn open_rejects_a_foreign_or_mismatched_segment() {
     drop(seg);
     assert!(!p.exists(), "the creator removes its segment when dropped");
 }
+
+#[test]
+fn a_timeout_names_the_rank_at_the_end_of_the_chain_of_waits() {
+    // Rank 1 waits for rank 0 (silent); rank 2 waits for rank 1 and must blame rank 0.
+    let mut ts = world(3, 2, 64);
+    let t2 = ts.pop().unwrap();
+    let t1 = ts.pop().unwrap();
+    let waiter = std::thread::spawn(move || {
+        let abort = AtomicBool::new(false);
+        let e = t1.recv(0, &ctx(&abort, 1500)).err().unwrap();
+        (e, t1)
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let abort = AtomicBool::new(false);
+    let e = t2.recv(1, &ctx(&abort, 300)).err().unwrap();
+    assert!(
+        matches!(&e, Error::Timeout { peer: 0, what, .. } if what.contains("1 → 0")),
+        "{e}"
+    );
+    let (e1, _t1) = waiter.join().unwrap();
+    assert!(matches!(&e1, Error::Timeout { peer: 0, .. }), "{e1}");
+}
