@@ -224,16 +224,21 @@ fn bootstrap_refuses_wrong_secrets_and_garbage_but_still_forms() {
             x[0]
         })
     };
-    // Rank 0 is waiting for rank 1 when the strays arrive: a wrong secret, garbage, a silent socket.
+    // Rank 0 is waiting for rank 1 when the strays arrive: a wrong secret, garbage, silent sockets.
     let r0 = rank(0, id.clone());
     let wrong: UniqueId = format!("{addr}/{}", "ab".repeat(16)).parse().unwrap();
     let e = Communicator::init(2, 1, &wrong, config(10_000))
         .err()
         .unwrap();
     assert!(e.to_string().contains("wrong secret"), "{e}");
-    let mut garbage = TcpStream::connect(addr).unwrap();
-    garbage.write_all(&[0xff; 64]).unwrap();
-    let _silent = TcpStream::connect(addr).unwrap();
+    // A flood: 40 connections that send garbage, and 40 that say nothing and stay open.
+    let mut strays = Vec::new();
+    for i in 0..40u8 {
+        let mut garbage = TcpStream::connect(addr).unwrap();
+        garbage.write_all(&[i; 64]).unwrap();
+        strays.push(garbage);
+        strays.push(TcpStream::connect(addr).unwrap());
+    }
     let r1 = rank(1, id);
     assert_eq!(r0.join().unwrap(), 2);
     assert_eq!(r1.join().unwrap(), 2);
