@@ -8,6 +8,7 @@
 use std::time::Instant;
 
 use braid::{Algo, Collective, Communicator, DType, Error, ReduceOp};
+use braid_core::exact::{expected, fill, wrong};
 use braid_core::reduce::{self, Src};
 use serde::Serialize;
 
@@ -95,57 +96,6 @@ pub fn sweep(min: usize, max: usize, factor: usize) -> Vec<usize> {
         };
     }
     v
-}
-
-/// Element `i` of rank `r`'s input, as a small exact value.
-fn value(op: ReduceOp, i: usize, r: usize) -> f64 {
-    if op == ReduceOp::Prod {
-        1.0 + ((i + r) % 2) as f64
-    } else {
-        ((i * 7 + r * 3) % 17) as f64
-    }
-}
-
-fn fill(buf: &mut [u8], dtype: DType, op: ReduceOp, rank: usize) {
-    let es = dtype.size();
-    for (i, e) in buf.chunks_exact_mut(es).enumerate() {
-        let v = value(op, i, rank);
-        match dtype {
-            DType::I8 => e.copy_from_slice(&(v as i8).to_ne_bytes()),
-            DType::U8 => e.copy_from_slice(&(v as u8).to_ne_bytes()),
-            DType::I32 => e.copy_from_slice(&(v as i32).to_ne_bytes()),
-            DType::U32 => e.copy_from_slice(&(v as u32).to_ne_bytes()),
-            DType::I64 => e.copy_from_slice(&(v as i64).to_ne_bytes()),
-            DType::U64 => e.copy_from_slice(&(v as u64).to_ne_bytes()),
-            DType::F16 => e.copy_from_slice(&half::f16::from_f64(v).to_ne_bytes()),
-            DType::BF16 => e.copy_from_slice(&half::bf16::from_f64(v).to_ne_bytes()),
-            DType::F32 => e.copy_from_slice(&(v as f32).to_ne_bytes()),
-            DType::F64 => e.copy_from_slice(&v.to_ne_bytes()),
-        }
-    }
-}
-
-/// The exact expected result: every rank's inputs reduced in rank order (the inputs make any order give
-/// the same bits).
-fn expected(bytes: usize, dtype: DType, op: ReduceOp, world: usize) -> Vec<u8> {
-    let inputs: Vec<Vec<u8>> = (0..world)
-        .map(|r| {
-            let mut b = vec![0u8; bytes];
-            fill(&mut b, dtype, op, r);
-            b
-        })
-        .collect();
-    let mut out = vec![0u8; bytes];
-    let srcs: Vec<Src> = inputs.iter().map(|b| Src::Buf(b)).collect();
-    reduce::reduce_ordered(dtype, op, &mut out, &srcs);
-    out
-}
-
-fn wrong(got: &[u8], want: &[u8], es: usize) -> u64 {
-    got.chunks_exact(es)
-        .zip(want.chunks_exact(es))
-        .filter(|(a, b)| a != b)
-        .count() as u64
 }
 
 /// Slowest rank's value.
@@ -584,16 +534,5 @@ mod tests {
         assert_eq!(sweep(8, 64, 2), vec![8, 16, 32, 64]);
         assert_eq!(sweep(8, 8, 2), vec![8]);
         assert_eq!(sweep(8, 100, 1), vec![8]);
-    }
-
-    #[test]
-    fn expected_values_are_exact_sums() {
-        let want = expected(4 * 3, DType::F32, ReduceOp::Sum, 2);
-        let vals: Vec<f32> = want
-            .chunks_exact(4)
-            .map(|b| f32::from_ne_bytes(b.try_into().unwrap()))
-            .collect();
-        // Element i of rank r is (7i + 3r) mod 17: [0, 7, 14] + [3, 10, 0].
-        assert_eq!(vals, vec![3.0, 17.0, 14.0]);
     }
 }

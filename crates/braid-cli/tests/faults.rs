@@ -18,7 +18,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use braid::{Collective, Communicator, Config, DType, Error, ReduceOp, UniqueId};
-use braid_core::reduce::{reduce_ordered, Src};
+use braid_core::exact::{fill, inputs, reduced, wrong};
 
 /// The timeout of the fault scenarios: short, so that a stopped peer is given up on quickly.
 const FAULT_TIMEOUT_MS: u64 = 4000;
@@ -32,59 +32,6 @@ const BIG: usize = 4 << 20;
 
 // ---------------------------------------------------------------------------------------------------
 // Rank side.
-
-fn value(op: ReduceOp, i: usize, r: usize) -> f64 {
-    if op == ReduceOp::Prod {
-        1.0 + ((i + r) % 2) as f64
-    } else {
-        ((i * 7 + r * 3) % 17) as f64
-    }
-}
-
-fn fill(buf: &mut [u8], dtype: DType, op: ReduceOp, rank: usize) {
-    for (i, e) in buf.chunks_exact_mut(dtype.size()).enumerate() {
-        let v = value(op, i, rank);
-        match dtype {
-            DType::I8 => e.copy_from_slice(&(v as i8).to_ne_bytes()),
-            DType::U8 => e.copy_from_slice(&(v as u8).to_ne_bytes()),
-            DType::I32 => e.copy_from_slice(&(v as i32).to_ne_bytes()),
-            DType::U32 => e.copy_from_slice(&(v as u32).to_ne_bytes()),
-            DType::I64 => e.copy_from_slice(&(v as i64).to_ne_bytes()),
-            DType::U64 => e.copy_from_slice(&(v as u64).to_ne_bytes()),
-            DType::F16 => e.copy_from_slice(&half::f16::from_f64(v).to_ne_bytes()),
-            DType::BF16 => e.copy_from_slice(&half::bf16::from_f64(v).to_ne_bytes()),
-            DType::F32 => e.copy_from_slice(&(v as f32).to_ne_bytes()),
-            DType::F64 => e.copy_from_slice(&v.to_ne_bytes()),
-        }
-    }
-}
-
-fn inputs(bytes: usize, dtype: DType, op: ReduceOp, world: usize) -> Vec<Vec<u8>> {
-    (0..world)
-        .map(|r| {
-            let mut b = vec![0u8; bytes];
-            fill(&mut b, dtype, op, r);
-            b
-        })
-        .collect()
-}
-
-fn reduced(ins: &[Vec<u8>], dtype: DType, op: ReduceOp) -> Vec<u8> {
-    let mut out = vec![0u8; ins.first().map_or(0, |b| b.len())];
-    let srcs: Vec<Src> = ins.iter().map(|b| Src::Buf(b)).collect();
-    reduce_ordered(dtype, op, &mut out, &srcs);
-    out
-}
-
-/// Elements of `got` that differ from `want` (a length difference counts every missing element).
-fn wrong(got: &[u8], want: &[u8], es: usize) -> usize {
-    let differ = got
-        .chunks(es)
-        .zip(want.chunks(es))
-        .filter(|(a, b)| a != b)
-        .count();
-    differ + got.len().abs_diff(want.len()).div_ceil(es)
-}
 
 /// The variant of an error and the peer it names.
 fn kind(e: &Error) -> (&'static str, Option<usize>) {
@@ -411,7 +358,7 @@ fn scenario_soak(c: &Communicator) -> i32 {
         .ok()
         .map_or(0x9e37_79b9_7f4a_7c15, |v| v.parse().expect("SOAK_SEED"));
     let mut rng = Rng(seed | 1);
-    let mut bad = 0usize;
+    let mut bad = 0u64;
     let mut per_kind = [0usize; 6];
     let mut in_calls = [Duration::ZERO; 6];
     let mut bytes_moved = 0usize;
@@ -526,7 +473,7 @@ fn scenario_soak(c: &Communicator) -> i32 {
                 if rank == root {
                     bad += wrong(&out, &want, es);
                 } else {
-                    bad += out.iter().filter(|b| **b != 0xaa).count();
+                    bad += out.iter().filter(|b| **b != 0xaa).count() as u64;
                 }
                 r
             }

@@ -8,53 +8,10 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use braid::{Collective, Communicator, DType, Error, ReduceOp};
-use braid_core::reduce::{reduce_ordered, Src};
+use braid_core::exact::{inputs, reduced};
 
 // ---------------------------------------------------------------------------------------------------
 // Rank side.
-
-fn value(op: ReduceOp, i: usize, r: usize) -> f64 {
-    if op == ReduceOp::Prod {
-        1.0 + ((i + r) % 2) as f64
-    } else {
-        ((i * 7 + r * 3) % 17) as f64
-    }
-}
-
-fn fill(buf: &mut [u8], dtype: DType, op: ReduceOp, rank: usize) {
-    for (i, e) in buf.chunks_exact_mut(dtype.size()).enumerate() {
-        let v = value(op, i, rank);
-        match dtype {
-            DType::I8 => e.copy_from_slice(&(v as i8).to_ne_bytes()),
-            DType::U8 => e.copy_from_slice(&(v as u8).to_ne_bytes()),
-            DType::I32 => e.copy_from_slice(&(v as i32).to_ne_bytes()),
-            DType::U32 => e.copy_from_slice(&(v as u32).to_ne_bytes()),
-            DType::I64 => e.copy_from_slice(&(v as i64).to_ne_bytes()),
-            DType::U64 => e.copy_from_slice(&(v as u64).to_ne_bytes()),
-            DType::F16 => e.copy_from_slice(&half::f16::from_f64(v).to_ne_bytes()),
-            DType::BF16 => e.copy_from_slice(&half::bf16::from_f64(v).to_ne_bytes()),
-            DType::F32 => e.copy_from_slice(&(v as f32).to_ne_bytes()),
-            DType::F64 => e.copy_from_slice(&v.to_ne_bytes()),
-        }
-    }
-}
-
-fn inputs(bytes: usize, dtype: DType, op: ReduceOp, world: usize) -> Vec<Vec<u8>> {
-    (0..world)
-        .map(|r| {
-            let mut b = vec![0u8; bytes];
-            fill(&mut b, dtype, op, r);
-            b
-        })
-        .collect()
-}
-
-fn reduced(ins: &[Vec<u8>], dtype: DType, op: ReduceOp) -> Vec<u8> {
-    let mut out = vec![0u8; ins.first().map_or(0, |b| b.len())];
-    let srcs: Vec<Src> = ins.iter().map(|b| Src::Buf(b)).collect();
-    reduce_ordered(dtype, op, &mut out, &srcs);
-    out
-}
 
 fn fnv(b: &[u8]) -> u64 {
     b.iter().fold(0xcbf29ce484222325u64, |h, x| {

@@ -17,6 +17,7 @@
 mod config;
 mod dtype;
 mod error;
+pub mod exact;
 pub mod reduce;
 
 pub use config::{parse_bool, Config, DebugLevel};

@@ -288,6 +288,40 @@ impl Segment {
     }
 }
 
+/// Removes segments in `dir` left behind by processes that no longer exist (killed before they could
+/// remove their own), and returns how many it removed. Segments of live processes, foreign files and
+/// segments still being created are left alone.
+pub fn sweep_stale(dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if !name.starts_with("braid-") || name.starts_with("braid-test-") {
+            continue;
+        }
+        let Ok(bytes) = std::fs::File::open(e.path()).and_then(|mut f| {
+            let mut b = [0u8; H_PID + 4];
+            std::io::Read::read_exact(&mut f, &mut b).map(|_| b)
+        }) else {
+            continue;
+        };
+        let magic = u64::from_ne_bytes(bytes[H_MAGIC..H_MAGIC + 8].try_into().expect("8 bytes"));
+        let pid = u32::from_ne_bytes(bytes[H_PID..H_PID + 4].try_into().expect("4 bytes"));
+        if magic == MAGIC && pid != 0 && !peer_alive(pid) && std::fs::remove_file(e.path()).is_ok()
+        {
+            tracing::info!(
+                "removed {} left behind by process {pid}",
+                e.path().display()
+            );
+            removed += 1;
+        }
+    }
+    removed
+}
+
 /// The mappings of a transport, shareable with other threads so that `abort` can wake a blocked wait.
 pub struct Mappings {
     rank: usize,

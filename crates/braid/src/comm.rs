@@ -120,6 +120,38 @@ fn host_identity() -> String {
     format!("{}#{}", name.trim(), boot.trim())
 }
 
+/// Holds back SIGTERM, SIGINT and SIGHUP on this thread while alive; a signal that arrives meanwhile is
+/// delivered when it is dropped.
+struct TerminationHold {
+    old: libc::sigset_t,
+}
+
+impl TerminationHold {
+    fn new() -> TerminationHold {
+        // SAFETY: sigset_t is plain data, initialised by sigemptyset/sigaddset before use; pthread_sigmask
+        // only changes this thread's signal mask and saves the previous one in `old`.
+        unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            let mut old: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP] {
+                libc::sigaddset(&mut set, sig);
+            }
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, &mut old);
+            TerminationHold { old }
+        }
+    }
+}
+
+impl Drop for TerminationHold {
+    fn drop(&mut self) {
+        // SAFETY: restores the mask saved in `new` on this same thread.
+        unsafe {
+            libc::pthread_sigmask(libc::SIG_SETMASK, &self.old, std::ptr::null_mut());
+        }
+    }
+}
+
 fn init_logging(config: &Config) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(config.debug.directive()))
@@ -177,6 +209,7 @@ impl Communicator {
             slot_bytes,
         };
         let own = if world > 1 {
+            braid_transport::shm::sweep_stale(std::path::Path::new("/dev/shm"));
             let nonce = random_secret()?;
             let name = format!(
                 "braid-{}-r{rank}",
@@ -227,6 +260,8 @@ impl Communicator {
                     )?));
                 }
                 // Everyone has mapped everyone: the names can go, so nothing outlives a killed process.
+                // A launcher stopping the job right now must not catch us between the two steps.
+                let _hold = TerminationHold::new();
                 links.barrier(1, deadline)?;
                 own.unlink()?;
                 Some(ShmTransport::new(

@@ -192,3 +192,33 @@ fn a_timeout_names_the_rank_at_the_end_of_the_chain_of_waits() {
     let (e1, _t1) = waiter.join().unwrap();
     assert!(matches!(&e1, Error::Timeout { peer: 0, .. }), "{e1}");
 }
+
+#[test]
+fn stale_segments_of_dead_processes_are_swept() {
+    let dir = std::env::temp_dir().join(format!("braid-sweep-{}", rand_tag()));
+    std::fs::create_dir(&dir).unwrap();
+    let layout = Layout {
+        world: 2,
+        slots: 2,
+        slot_bytes: 64,
+    };
+    let mine = Segment::create(&dir.join("braid-live-r0"), layout, 0).unwrap();
+    // A segment whose creator is gone: rewrite the pid of a copy to a reaped child's.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let mut bytes = std::fs::read(mine.path()).unwrap();
+    bytes[H_PID..H_PID + 4].copy_from_slice(&dead.to_ne_bytes());
+    std::fs::write(dir.join("braid-dead-r1"), &bytes).unwrap();
+    std::fs::write(dir.join("braid-foreign"), b"not a segment").unwrap();
+    std::fs::write(dir.join("unrelated"), b"x").unwrap();
+    assert_eq!(sweep_stale(&dir), 1);
+    assert!(
+        mine.path().exists()
+            && dir.join("braid-foreign").exists()
+            && dir.join("unrelated").exists()
+    );
+    assert!(!dir.join("braid-dead-r1").exists());
+    drop(mine);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
