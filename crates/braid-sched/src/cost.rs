@@ -77,7 +77,8 @@ pub fn all_reduce_cost(
                         .sum::<f64>()
                 })
                 .fold(0.0, f64::max);
-            fill + (k - 1.0) * period
+            // Interior nodes accumulate in scratch: one more pass over the data.
+            fill + (k - 1.0) * period + b * f * g
         }
         "rhd" => {
             let p = rhd::fold_size(world);
@@ -90,7 +91,8 @@ pub fn all_reduce_cost(
             if p < world {
                 t += 2.0 * msgs(b * f) * a + b * (f * be + f * g) + b * be;
             }
-            t
+            // The whole buffer is loaded into scratch first and is not pipelined with the exchanges.
+            t + b * f * g
         }
         "direct" => msgs(b * f) * a + (n - 1.0) * b * (be + f * g),
         _ => f64::INFINITY,

@@ -240,11 +240,11 @@ impl Executor {
         self.seq += 1;
         let es = op.dtype.size();
         let algo = match op.kind.collective() {
-            Some(c) => self.tuner.pick(c, op.count * es),
+            Some(c) => self.tuner.pick_cached(c, op.count * es),
             None => Algo::Direct,
         };
         let started = Instant::now();
-        self.recorder.start(seq, op, algo);
+        self.recorder.start(seq, op, algo, started);
         let result = self.run_plan(op, seq, algo, started);
         self.recorder.finish(seq, &result, started.elapsed());
         if let Err(e) = &result {

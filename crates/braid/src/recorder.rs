@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use braid_core::Error;
 use parking_lot::Mutex;
@@ -67,33 +67,35 @@ impl fmt::Display for FlightRecord {
     }
 }
 
-/// A shared ring buffer of [`FlightRecord`]s (readable while a collective runs).
+/// A shared ring buffer of [`FlightRecord`]s (readable while a collective runs). The hot path stores
+/// monotonic start times it already has; wall-clock times are derived only when someone asks.
 #[derive(Clone, Default)]
 pub struct Recorder {
-    records: Arc<Mutex<VecDeque<FlightRecord>>>,
+    records: Arc<Mutex<VecDeque<(Instant, FlightRecord)>>>,
 }
 
 impl Recorder {
-    pub(crate) fn start(&self, seq: u64, op: &Op, algo: Algo) {
+    pub(crate) fn start(&self, seq: u64, op: &Op, algo: Algo, started: Instant) {
         let mut r = self.records.lock();
         if r.len() == CAPACITY {
             r.pop_front();
         }
-        r.push_back(FlightRecord {
+        let rec = FlightRecord {
             seq,
             op: op.kind.name(),
             count: op.count,
             dtype: op.dtype.name(),
             algo: algo.name(),
-            started: SystemTime::now(),
+            started: SystemTime::UNIX_EPOCH,
             elapsed: Duration::ZERO,
             state: State::Running,
-        });
+        };
+        r.push_back((started, rec));
     }
 
     pub(crate) fn finish(&self, seq: u64, result: &Result<(), Error>, elapsed: Duration) {
         let mut r = self.records.lock();
-        if let Some(rec) = r.iter_mut().rev().find(|x| x.seq == seq) {
+        if let Some((_, rec)) = r.iter_mut().rev().find(|x| x.1.seq == seq) {
             rec.elapsed = elapsed;
             rec.state = match result {
                 Ok(()) => State::Done,
@@ -105,11 +107,13 @@ impl Recorder {
     /// A copy of the records, oldest first; running ones show their time so far.
     pub fn snapshot(&self) -> Vec<FlightRecord> {
         let r = self.records.lock();
+        let (now_wall, now) = (SystemTime::now(), Instant::now());
         r.iter()
-            .cloned()
-            .map(|mut x| {
+            .map(|(t, x)| {
+                let mut x = x.clone();
+                x.started = now_wall - now.duration_since(*t);
                 if x.state == State::Running {
-                    x.elapsed = x.started.elapsed().unwrap_or_default();
+                    x.elapsed = now.duration_since(*t);
                 }
                 x
             })
@@ -139,16 +143,19 @@ mod tests {
     fn keeps_the_last_records_and_their_states() {
         let rec = Recorder::default();
         for seq in 0..(CAPACITY as u64 + 10) {
-            rec.records.lock().push_back(FlightRecord {
-                seq,
-                op: "all_reduce",
-                count: 4,
-                dtype: "float",
-                algo: "ring",
-                started: SystemTime::now(),
-                elapsed: Duration::ZERO,
-                state: State::Running,
-            });
+            rec.records.lock().push_back((
+                Instant::now(),
+                FlightRecord {
+                    seq,
+                    op: "all_reduce",
+                    count: 4,
+                    dtype: "float",
+                    algo: "ring",
+                    started: SystemTime::now(),
+                    elapsed: Duration::ZERO,
+                    state: State::Running,
+                },
+            ));
             if rec.records.lock().len() > CAPACITY {
                 rec.records.lock().pop_front();
             }

@@ -323,6 +323,8 @@ pub struct Tuner {
     chunk_bytes: usize,
     direct_max_bytes: usize,
     forced: [Option<Algo>; 5],
+    /// Decisions already taken, by (collective, bytes): the model is not free, a hash lookup nearly is.
+    cache: std::collections::HashMap<(Collective, usize), Algo>,
 }
 
 impl Tuner {
@@ -341,6 +343,7 @@ impl Tuner {
             chunk_bytes,
             direct_max_bytes,
             forced: [None; 5],
+            cache: Default::default(),
         }
     }
 
@@ -352,6 +355,7 @@ impl Tuner {
             }
         }
         self.forced[c.index()] = algo;
+        self.cache.clear();
         Ok(())
     }
 
@@ -428,6 +432,19 @@ impl Tuner {
     /// The algorithm for `c` at `bytes`.
     pub fn pick(&self, c: Collective, bytes: usize) -> Algo {
         self.pick_with_reason(c, bytes).0
+    }
+
+    /// [`Tuner::pick`], remembering the answer (for the executor's hot path).
+    pub fn pick_cached(&mut self, c: Collective, bytes: usize) -> Algo {
+        if let Some(a) = self.cache.get(&(c, bytes)) {
+            return *a;
+        }
+        let a = self.pick(c, bytes);
+        if self.cache.len() >= 4096 {
+            self.cache.clear();
+        }
+        self.cache.insert((c, bytes), a);
+        a
     }
 }
 
