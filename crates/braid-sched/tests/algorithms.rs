@@ -249,8 +249,8 @@ fn cost_model_ranks_algorithms() {
         assert!(cost(a, 4096, &slow_hops) < ring / 4.0, "{a}");
     }
     assert!(cost("direct", 4096, &slow_hops) < cost("tree", 4096, &slow_hops));
-    // Bandwidth-bound: no latency, a large buffer: the ring moves the fewest bytes (rhd ties on a power
-    // of two), direct the most.
+    // Bandwidth-bound: no latency, a large buffer: the ring moves the fewest bytes (rhd moves as many on
+    // a power of two but pays an extra scratch pass), direct the most.
     let fast_hops = LinkCost {
         alpha_us: 0.0,
         beta_us_per_byte: 1e-3,
@@ -262,11 +262,7 @@ fn cost_model_ranks_algorithms() {
         let ring = c("ring");
         assert!(ring < c("tree"), "world {world}");
         assert!(ring < c("direct"), "world {world}");
-        if world.is_power_of_two() {
-            assert!((ring - c("rhd")).abs() <= 1e-9 * ring);
-        } else {
-            assert!(ring < c("rhd"), "world {world}");
-        }
+        assert!(ring < c("rhd"), "world {world}");
     }
     // Nothing to do on one rank; unknown algorithms are never chosen.
     assert_eq!(all_reduce_cost("tree", 1, 1000, f, 100, &slow_hops), 0.0);
