@@ -325,6 +325,8 @@ pub struct Tuner {
     forced: [Option<Algo>; 5],
     /// Decisions already taken, by (collective, bytes): the model is not free, a hash lookup nearly is.
     cache: std::collections::HashMap<(Collective, usize), Algo>,
+    /// The last decision, checked before the map: loops repeat one size.
+    last: Option<(Collective, usize, Algo)>,
 }
 
 impl Tuner {
@@ -344,6 +346,7 @@ impl Tuner {
             direct_max_bytes,
             forced: [None; 5],
             cache: Default::default(),
+            last: None,
         }
     }
 
@@ -356,6 +359,7 @@ impl Tuner {
         }
         self.forced[c.index()] = algo;
         self.cache.clear();
+        self.last = None;
         Ok(())
     }
 
@@ -436,14 +440,23 @@ impl Tuner {
 
     /// [`Tuner::pick`], remembering the answer (for the executor's hot path).
     pub fn pick_cached(&mut self, c: Collective, bytes: usize) -> Algo {
-        if let Some(a) = self.cache.get(&(c, bytes)) {
-            return *a;
+        if let Some((lc, lb, a)) = self.last {
+            if lc == c && lb == bytes {
+                return a;
+            }
         }
-        let a = self.pick(c, bytes);
-        if self.cache.len() >= 4096 {
-            self.cache.clear();
-        }
-        self.cache.insert((c, bytes), a);
+        let a = match self.cache.get(&(c, bytes)) {
+            Some(a) => *a,
+            None => {
+                let a = self.pick(c, bytes);
+                if self.cache.len() >= 4096 {
+                    self.cache.clear();
+                }
+                self.cache.insert((c, bytes), a);
+                a
+            }
+        };
+        self.last = Some((c, bytes, a));
         a
     }
 }
