@@ -1,60 +1,11 @@
 //! Every schedule, simulated on many ranks, against a reference and against its cost formula.
 
-use braid_core::reduce::{reduce_ordered, Src};
+mod common;
+
 use braid_core::{DType, ReduceOp};
 use braid_sched::{direct, ring, sim, Action};
-use half::{bf16, f16};
+use common::*;
 use proptest::prelude::*;
-
-/// Inputs whose reduction is exact in any order: integers in -2..=2 (or ±1, ±2 for prod) for floats,
-/// anything for integer types (wrapping arithmetic is associative and commutative).
-fn exact_inputs(dtype: DType, op: ReduceOp, world: usize, count: usize, seed: u64) -> Vec<Vec<u8>> {
-    let mut x = seed | 1;
-    (0..world)
-        .map(|_| {
-            let mut v = Vec::new();
-            for _ in 0..count {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                let small = if op == ReduceOp::Prod {
-                    [1.0, 2.0, -1.0, -2.0][(x % 4) as usize]
-                } else {
-                    (x % 5) as f64 - 2.0
-                };
-                match dtype {
-                    DType::F32 => v.extend((small as f32).to_ne_bytes()),
-                    DType::F64 => v.extend(small.to_ne_bytes()),
-                    DType::F16 => v.extend(f16::from_f64(small).to_ne_bytes()),
-                    DType::BF16 => v.extend(bf16::from_f64(small).to_ne_bytes()),
-                    _ => v.extend(&x.to_ne_bytes()[..dtype.size()]),
-                }
-            }
-            v
-        })
-        .collect()
-}
-
-fn reference(dtype: DType, op: ReduceOp, inputs: &[Vec<u8>]) -> Vec<u8> {
-    let mut out = vec![0u8; inputs[0].len()];
-    let srcs: Vec<Src> = inputs.iter().map(|b| Src::Buf(b)).collect();
-    reduce_ordered(dtype, op, &mut out, &srcs);
-    out
-}
-
-fn dtypes() -> impl Strategy<Value = DType> {
-    prop::sample::select(DType::ALL.to_vec())
-}
-fn ops() -> impl Strategy<Value = ReduceOp> {
-    prop::sample::select(ReduceOp::ALL.to_vec())
-}
-fn worlds() -> impl Strategy<Value = usize> {
-    prop_oneof![1usize..=9, Just(16usize), Just(33usize), Just(64usize)]
-}
-
-fn plans(world: usize, f: impl Fn(usize) -> Vec<Action>) -> Vec<Vec<Action>> {
-    (0..world).map(f).collect()
-}
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
