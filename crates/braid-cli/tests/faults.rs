@@ -9,16 +9,18 @@
 //! Every wait is bounded by `BRAID_TIMEOUT_MS`; the harness bounds every scenario by twice that plus slack,
 //! so a hang is a failure with the ranks' output, never a stuck test.
 
+mod common;
+
 use std::io::Read;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use braid::{Collective, Communicator, Config, DType, Error, ReduceOp, UniqueId};
 use braid_core::exact::{fill, inputs, reduced, wrong};
+use common::{braid_run, braid_segments, free_port, me, show};
 
 /// The timeout of the fault scenarios: short, so that a stopped peer is given up on quickly.
 const FAULT_TIMEOUT_MS: u64 = 4000;
@@ -557,63 +559,8 @@ fn rank_main(scenario: &str, args: &[String]) -> i32 {
 // ---------------------------------------------------------------------------------------------------
 // Harness side.
 
-fn braid() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_braid"))
-}
-
-fn me() -> PathBuf {
-    std::env::current_exe().unwrap()
-}
-
 /// Pids of every rank these tests started, to tell their shared-memory segments from other runs'.
 static PIDS: Mutex<Vec<u32>> = Mutex::new(Vec::new());
-
-/// New `braid-*` names in /dev/shm, with the pid in their header (0 if it cannot be read).
-fn braid_segments() -> Vec<(String, u32)> {
-    std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("braid-") && !n.starts_with("braid-test-"))
-                .map(|n| {
-                    let mut hdr = [0u8; 24];
-                    let pid = std::fs::File::open(PathBuf::from("/dev/shm").join(&n))
-                        .and_then(|mut f| f.read_exact(&mut hdr))
-                        .map_or(0, |_| u32::from_ne_bytes(hdr[20..24].try_into().unwrap()));
-                    (n, pid)
-                })
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn show(o: &Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn braid_run(n: usize, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(braid());
-    cmd.args(["run", "-n", &n.to_string(), "--"])
-        .arg(me())
-        .args(args);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.env_remove("BRAID_RANK").output().unwrap()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// A secret for a communicator started by this harness.
 fn secret(salt: u64) -> String {

@@ -3,12 +3,14 @@
 //! in the way) and checks how they end; run with `BRAID_RANK` it is a rank and plays the scenario named
 //! by its first argument.
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use braid::{Collective, Communicator, DType, Error, ReduceOp};
 use braid_core::exact::{inputs, reduced};
+use common::{braid, braid_run, braid_segments, free_port, me, show};
 
 // ---------------------------------------------------------------------------------------------------
 // Rank side.
@@ -298,45 +300,6 @@ unsafe fn libc_kill_self() {
 // ---------------------------------------------------------------------------------------------------
 // Harness side.
 
-fn braid() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_braid"))
-}
-
-fn me() -> PathBuf {
-    std::env::current_exe().unwrap()
-}
-
-fn braid_segments() -> Vec<String> {
-    std::fs::read_dir("/dev/shm")
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with("braid-") && !n.starts_with("braid-test-"))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn show(o: &Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-fn braid_run(n: usize, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(braid());
-    cmd.args(["run", "-n", &n.to_string(), "--"])
-        .arg(me())
-        .args(args);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    cmd.env_remove("BRAID_RANK").output().unwrap()
-}
-
 /// Starts `n` ranks directly (no launcher), with `vars(rank)` as their job environment.
 fn spawn_ranks(
     n: usize,
@@ -360,14 +323,6 @@ fn spawn_ranks(
         .into_iter()
         .map(|c| c.wait_with_output().unwrap())
         .collect()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn test_matrix() {
