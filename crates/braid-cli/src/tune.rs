@@ -111,15 +111,13 @@ pub fn run(comm: &Communicator, a: &TuneArgs) -> Result<(), Error> {
             .map(|(a, r)| (*a, crate::perf::median(r)))
             .collect();
         comm.set_algorithm(Collective::AllReduce, None)?;
-        let (best, t_best) = times
+        let best = times
             .iter()
-            .copied()
             .min_by(|x, y| x.1.total_cmp(&y.1))
-            .unwrap_or((Algo::Ring, 0.0));
+            .map_or(Algo::Ring, |(a, _)| *a);
         if let Some((_, t)) = times.iter().find(|(al, _)| *al == Algo::Direct) {
             alpha_us = alpha_us.min(*t);
         }
-        let _ = t_best;
         if rank == 0 {
             let cols: Vec<String> = times.iter().map(|(_, t)| format!("{t:>10.2}")).collect();
             println!("  {bytes:>10}  {}  {:>8}", cols.join(" "), best.name());
