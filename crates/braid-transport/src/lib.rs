@@ -15,4 +15,4 @@
 pub mod shm;
 mod wait;
 
-pub use wait::{peer_alive, WaitCtx, WaitPolicy};
+pub use wait::{peer_alive, peer_stopped, WaitCtx, WaitPolicy};

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use braid_core::Error;
 use memmap2::MmapRaw;
 
-use crate::wait::{futex_wake, peer_alive, wait_until, WaitCtx, WaitPolicy};
+use crate::wait::{futex_wake, peer_alive, peer_stopped, wait_until, WaitCtx, WaitPolicy};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"BRAIDshm");
 const VERSION: u32 = 1;
@@ -453,6 +453,10 @@ impl ShmTransport {
                     } else {
                         self.peer(cur)
                     };
+                    // A stopped process is the silent one, whatever wait it had published.
+                    if cur != self.maps.rank && peer_stopped(seg.pid()) {
+                        break;
+                    }
                     let w = seg.word(H_WAITING_ON).load(Ordering::Acquire) as usize;
                     if w == 0
                         || w > self.layout.world

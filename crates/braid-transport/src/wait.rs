@@ -76,17 +76,22 @@ impl WaitCtx<'_> {
 
 /// Whether process `pid` on this host still runs (a zombie counts as dead).
 pub fn peer_alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => match stat
-            .rfind(')')
-            .and_then(|i| stat[i + 1..].trim_start().chars().next())
-        {
-            Some('Z') | Some('X') | Some('x') => false,
-            Some(_) => true,
-            None => true,
-        },
-        Err(_) => false,
-    }
+    !matches!(process_state(pid), None | Some('Z') | Some('X') | Some('x'))
+}
+
+/// Whether process `pid` is stopped (SIGSTOP, or traced and halted).
+pub fn peer_stopped(pid: u32) -> bool {
+    matches!(process_state(pid), Some('T') | Some('t'))
+}
+
+/// The state letter of `/proc/<pid>/stat` (`R`, `S`, `T`, `Z`, ...), or `None` if there is no such
+/// process. A process whose state cannot be parsed counts as running.
+fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let state = stat
+        .rfind(')')
+        .and_then(|i| stat[i + 1..].trim_start().chars().next());
+    Some(state.unwrap_or('R'))
 }
 
 /// Slice of a blocking wait between checks of deadline, abort and liveness.
@@ -180,6 +185,25 @@ pub(crate) fn futex_wake(word: &AtomicU32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stopped_child_is_alive_and_stopped() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(pid as libc::pid_t, libc::SIGSTOP) };
+        let start = std::time::Instant::now();
+        while !peer_stopped(pid) && start.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(peer_stopped(pid) && peer_alive(pid));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!peer_stopped(pid) && !peer_alive(pid));
+    }
 
     #[test]
     fn liveness_of_self_and_of_a_reaped_child() {
