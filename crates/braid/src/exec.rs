@@ -166,7 +166,8 @@ pub(crate) struct Executor {
     abort: Arc<AtomicBool>,
     seq: u64,
     pub recorder: Recorder,
-    cache: Option<(PlanKey, Vec<Action>)>,
+    /// The last plan, and whether it accumulates in scratch.
+    cache: Option<(PlanKey, Vec<Action>, bool)>,
     /// Accumulator-typed scratch for schedules that merge several partials at one rank (u64 words, so
     /// it is aligned for every accumulator type).
     scratch: Vec<u64>,
@@ -208,12 +209,19 @@ impl Executor {
         self.seq
     }
 
-    fn plan(&mut self, key: PlanKey) -> Vec<Action> {
-        if let Some((k, p)) = self.cache.take() {
+    /// The plan for `key` and whether it needs the scratch buffer (reused from the last op when equal).
+    fn plan(&mut self, key: PlanKey) -> (Vec<Action>, bool) {
+        if let Some((k, p, scratch)) = self.cache.take() {
             if k == key {
-                return p;
+                return (p, scratch);
             }
         }
+        let plan = self.build_plan(key);
+        let scratch = plan.iter().any(|a| matches!(a, Action::LoadAcc { .. }));
+        (plan, scratch)
+    }
+
+    fn build_plan(&self, key: PlanKey) -> Vec<Action> {
         let (n, r, c, chunk) = (self.world, self.rank, key.count, key.chunk);
         match (key.kind, key.algo) {
             (Kind::AllReduce, Algo::Ring) => {
@@ -283,12 +291,10 @@ impl Executor {
             count: op.count,
             chunk,
         };
-        let plan = self.plan(key);
+        let (plan, needs_scratch) = self.plan(key);
         trace!(rank = self.rank, seq, op = op.kind.name(), count = op.count, dtype = %op.dtype, algo = algo.name(), "run");
         let acc_bytes = (op.send_len / es).saturating_mul(op.dtype.accumulator().size());
-        if plan.iter().any(|a| matches!(a, Action::LoadAcc { .. }))
-            && self.scratch.len() * 8 < acc_bytes
-        {
+        if needs_scratch && self.scratch.len() * 8 < acc_bytes {
             self.scratch.resize(acc_bytes.div_ceil(8), 0);
         }
         let scratch: &mut [u8] = bytemuck::cast_slice_mut(&mut self.scratch[..]);
@@ -304,7 +310,7 @@ impl Executor {
             }
             None => plan.iter().try_for_each(|a| local_step(&bufs, a)),
         };
-        self.cache = Some((key, plan));
+        self.cache = Some((key, plan, needs_scratch));
         result
     }
 }
