@@ -1,5 +1,7 @@
-//! The `braid` command: `braid run` starts ranks of any program; `braid perf` benchmarks all-reduce.
+//! The `braid` command: `braid run` starts ranks of any program; `braid perf` benchmarks all-reduce;
+//! `braid compress-eval` measures what gradient compression costs in training quality.
 
+mod eval;
 mod launch;
 mod perf;
 mod plot;
@@ -99,11 +101,110 @@ enum Cmd {
         #[arg(short = 'w', long = "warmup_iters", default_value_t = 3)]
         warmup: usize,
     },
+    /// Train a small MLP data-parallel over N local ranks once per (gradient codec × optimizer) and compare
+    /// final loss, accuracy and bytes sent against dense all-reduce.
+    #[command(name = "compress-eval")]
+    CompressEval {
+        /// Local ranks to start (default 2 when not started by a launcher).
+        #[arg(long)]
+        ranks: Option<usize>,
+        /// Task: teacher (a random teacher MLP labels Gaussian inputs), digits (handwritten 8×8 digits)
+        /// or spirals (two interleaved spirals).
+        #[arg(long, default_value = "teacher")]
+        task: String,
+        /// Settings, comma-separated: CODEC[:PARAM][/ef|/noef] with CODEC one of dense, fp16, bf16,
+        /// topk:DENSITY, randomk:DENSITY, int8, int8:nearest, sign, powersgd:RANK (error feedback on
+        /// unless /noef). Default: a list for --quick, a longer one otherwise.
+        #[arg(long)]
+        codecs: Option<String>,
+        /// Optimizers, comma-separated: sgd (momentum 0.9), adam.
+        #[arg(long, default_value = "sgd,adam")]
+        optimizers: String,
+        /// Training steps per run (default 600 with --quick, else 1500).
+        #[arg(long)]
+        steps: Option<u64>,
+        /// A small model, a small data set, fewer steps and settings: done in well under a minute.
+        #[arg(long)]
+        quick: bool,
+        /// Global batch size (split over the ranks).
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
+        /// Seed of initialisation, data and batch order.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Learning rate of SGD.
+        #[arg(long, default_value_t = 0.05)]
+        lr_sgd: f32,
+        /// Learning rate of Adam.
+        #[arg(long, default_value_t = 0.005)]
+        lr_adam: f32,
+        /// Directory for the PNG plots (loss, gradient norm, compression error per optimizer).
+        #[arg(long)]
+        out: Option<String>,
+        /// Also write the results as JSON to this file.
+        #[arg(long)]
+        json: Option<String>,
+    },
 }
 
 fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
+        Cmd::CompressEval {
+            ranks,
+            task,
+            codecs,
+            optimizers,
+            steps,
+            quick,
+            batch,
+            seed,
+            lr_sgd,
+            lr_adam,
+            out,
+            json,
+        } => {
+            let args = (|| -> Result<eval::EvalArgs, String> {
+                let task: eval::Task = task.parse()?;
+                let settings = match codecs {
+                    Some(list) => eval::parse_list(&list, "codecs", |t| t.parse())?,
+                    None => eval::default_settings(quick),
+                };
+                let optimizers = eval::parse_list(&optimizers, "optimizers", |t| t.parse())?;
+                let steps = steps.unwrap_or_else(|| eval::default_steps(quick));
+                if steps == 0 || batch == 0 {
+                    return Err("--steps and --batch must be at least 1".into());
+                }
+                for (name, lr) in [("--lr-sgd", lr_sgd), ("--lr-adam", lr_adam)] {
+                    if !(lr > 0.0 && lr.is_finite()) {
+                        return Err(format!("{name} must be a positive number, got {lr}"));
+                    }
+                }
+                if ranks == Some(0) {
+                    return Err("--ranks must be at least 1".into());
+                }
+                Ok(eval::EvalArgs {
+                    task,
+                    settings,
+                    optimizers,
+                    steps,
+                    quick,
+                    batch,
+                    seed,
+                    lr_sgd,
+                    lr_adam,
+                    out,
+                    json,
+                })
+            })();
+            match args {
+                Err(e) => {
+                    eprintln!("braid compress-eval: {e}");
+                    2
+                }
+                Ok(args) => eval_main(ranks, &args),
+            }
+        }
         Cmd::Run { n, command } => launch::run(n, &command[0], &command[1..], &[]),
         Cmd::Tune {
             ranks,
@@ -191,12 +292,36 @@ fn perf_main(ranks: Option<usize>, args: &perf::PerfArgs) -> i32 {
             }
         };
     }
-    // Start the ranks: this same command, under our launcher, without --ranks.
-    let n = ranks.unwrap_or(2);
+    relaunch("perf", ranks.unwrap_or(2))
+}
+
+/// Runs `braid compress-eval` as one rank of a job, or starts the ranks.
+fn eval_main(ranks: Option<usize>, args: &eval::EvalArgs) -> i32 {
+    if ranks.is_none() && JobEnv::present() {
+        let comm = match Communicator::from_env() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("braid compress-eval: {e}");
+                return 1;
+            }
+        };
+        return match eval::run(&comm, args) {
+            Ok(_) => 0,
+            Err(e) => {
+                eprintln!("braid compress-eval: rank {}: {e}", comm.rank());
+                1
+            }
+        };
+    }
+    relaunch("compress-eval", ranks.unwrap_or(2))
+}
+
+/// Starts `n` ranks of this same command under our launcher, without `--ranks`.
+fn relaunch(what: &str, n: usize) -> i32 {
     let exe = match std::env::current_exe() {
         Ok(p) => p.into_os_string(),
         Err(e) => {
-            eprintln!("braid perf: cannot find this executable: {e}");
+            eprintln!("braid {what}: cannot find this executable: {e}");
             return 1;
         }
     };

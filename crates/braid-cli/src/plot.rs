@@ -9,7 +9,7 @@ const FONTS: [&str; 3] = [
     "/usr/share/fonts/TTF/DejaVuSans.ttf",
 ];
 
-fn load_font() -> Result<(), String> {
+pub(crate) fn load_font() -> Result<(), String> {
     let candidates: Vec<String> = std::env::var("BRAID_PLOT_FONT")
         .ok()
         .into_iter()

@@ -1,0 +1,643 @@
+//! `braid compress-eval`: trains a small MLP data-parallel across ranks once per (gradient codec ×
+//! optimizer), from the same initial parameters and the same batch order, and reports how much each codec
+//! costs in final loss and accuracy against dense all-reduce, how many bytes it saves, and the seed's
+//! warnings (low density with Adam). Rank 0 prints the table and draws the curves.
+//!
+//! Each rank computes the gradient of its shard of every global batch (the global batch does not depend on
+//! the rank count) and hands it to a [`sync::GradSync`]; the synchronised gradient goes to the optimizer.
+//! At the end of every run the ranks compare a hash of their parameters: they must be bit-identical.
+
+mod data;
+mod mlp;
+mod optim;
+mod plot;
+mod rng;
+pub mod sync;
+
+use std::fmt::Write as _;
+use std::time::Instant;
+
+use braid::{Communicator, ReduceOp};
+use serde::Serialize;
+
+pub use data::Task;
+use mlp::{Mlp, Workspace};
+pub use optim::OptKind;
+use optim::Optimizer;
+pub use sync::Setting;
+
+/// A run whose final training loss is this many percent above dense (same optimizer) counts as harmed.
+pub const HARM_PCT: f64 = 5.0;
+
+/// What to evaluate.
+#[derive(Clone, Debug)]
+pub struct EvalArgs {
+    pub task: Task,
+    pub settings: Vec<Setting>,
+    pub optimizers: Vec<OptKind>,
+    pub steps: u64,
+    pub quick: bool,
+    pub batch: usize,
+    pub seed: u64,
+    pub lr_sgd: f32,
+    pub lr_adam: f32,
+    pub out: Option<String>,
+    pub json: Option<String>,
+}
+
+/// The settings evaluated when none are given.
+pub fn default_settings(quick: bool) -> Vec<Setting> {
+    let list: &[&str] = if quick {
+        &[
+            "dense",
+            "topk:0.1",
+            "topk:0.01",
+            "topk:0.01/noef",
+            "topk:0.005",
+        ]
+    } else {
+        &[
+            "dense",
+            "fp16",
+            "topk:0.1",
+            "topk:0.1/noef",
+            "topk:0.01",
+            "topk:0.01/noef",
+            "topk:0.001",
+            "randomk:0.1",
+            "int8",
+            "sign",
+            "powersgd:4",
+        ]
+    };
+    list.iter()
+        .map(|s| s.parse().expect("built-in setting"))
+        .collect()
+}
+
+/// Default number of steps.
+pub fn default_steps(quick: bool) -> u64 {
+    if quick {
+        600
+    } else {
+        1500
+    }
+}
+
+/// Parses a comma-separated list with `parse`, refusing an empty one.
+pub fn parse_list<T>(
+    text: &str,
+    what: &str,
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> Result<Vec<T>, String> {
+    let items: Vec<&str> = text
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    if items.is_empty() {
+        return Err(format!("--{what} is empty"));
+    }
+    items.into_iter().map(parse).collect()
+}
+
+/// One training run's results (rank 0's view; every rank agrees on the parameters).
+#[derive(Serialize, Clone, Debug)]
+pub struct RunResult {
+    pub setting: String,
+    pub optimizer: String,
+    pub error_feedback: bool,
+    pub initial_train_loss: f64,
+    pub final_train_loss: f64,
+    pub test_accuracy: f64,
+    /// `(final − dense final) / dense final · 100`, same optimizer; absent without a dense run.
+    pub loss_vs_dense_pct: Option<f64>,
+    /// Bytes this rank sent for gradients over the run.
+    pub sent_bytes: u64,
+    /// What the same run would have sent dense.
+    pub dense_sent_bytes: u64,
+    pub seconds: f64,
+    /// The loss became NaN or infinite; training stopped there.
+    pub diverged: bool,
+    /// Achieved density averaged over steps (rank 0's contribution).
+    pub mean_density: f64,
+    /// Distinct warnings and how many steps raised each.
+    pub warnings: Vec<(String, u64)>,
+    /// Per step: global mini-batch loss, mean gradient norm before compression, mean compression error.
+    #[serde(skip)]
+    pub curves: Curves,
+}
+
+/// Per-step series of one run.
+#[derive(Clone, Debug, Default)]
+pub struct Curves {
+    pub loss: Vec<f64>,
+    pub grad_norm: Vec<f64>,
+    pub compression_error: Vec<f64>,
+}
+
+/// Everything one evaluation produced.
+#[derive(Serialize, Debug)]
+pub struct Report {
+    pub task: String,
+    pub ranks: usize,
+    pub steps: u64,
+    pub global_batch: usize,
+    pub parameters: usize,
+    pub seed: u64,
+    pub runs: Vec<RunResult>,
+}
+
+fn fnv(params: &[f32]) -> u64 {
+    params
+        .iter()
+        .flat_map(|p| p.to_bits().to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+        })
+}
+
+/// Summed loss over this rank's share of the training set, correct answers over its share of the test
+/// set, all-reduced: (mean train loss, test accuracy).
+fn evaluate(
+    comm: &Communicator,
+    net: &Mlp,
+    data: &data::Dataset,
+    params: &[f32],
+    ws: &mut Workspace,
+) -> Result<(f64, f64), String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let d = data.dim;
+    let rows = |xs: &[f32], ys: &[u32]| -> (Vec<f32>, Vec<u32>) {
+        let mut sx = Vec::new();
+        let mut sy = Vec::new();
+        for i in (rank..ys.len()).step_by(world) {
+            sx.extend_from_slice(&xs[i * d..(i + 1) * d]);
+            sy.push(ys[i]);
+        }
+        (sx, sy)
+    };
+    let (tx, ty) = rows(&data.train_x, &data.train_y);
+    let (ex, ey) = rows(&data.test_x, &data.test_y);
+    let (train_loss, _) = net.evaluate(params, &tx, &ty, ws);
+    let (_, correct) = net.evaluate(params, &ex, &ey, ws);
+    let mut sums = [train_loss, correct as f64];
+    comm.all_reduce_in_place(&mut sums, ReduceOp::Sum)
+        .map_err(|e| e.to_string())?;
+    Ok((
+        sums[0] / data.train_len() as f64,
+        sums[1] / data.test_y.len() as f64,
+    ))
+}
+
+/// Trains once with `setting` and `opt`; every rank returns the same numbers.
+#[allow(clippy::too_many_arguments)]
+fn train(
+    comm: &Communicator,
+    args: &EvalArgs,
+    net: &Mlp,
+    data: &data::Dataset,
+    init: &[f32],
+    setting: Setting,
+    opt: OptKind,
+) -> Result<RunResult, String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let len = net.num_params();
+    let mut params = init.to_vec();
+    let lr = match opt {
+        OptKind::Sgd => args.lr_sgd,
+        OptKind::Adam => args.lr_adam,
+    };
+    let mut optimizer = Optimizer::new(opt, lr, len);
+    let mut sync = sync::make(setting, len, rank, args.seed, opt.is_adaptive())?;
+    let mut ws = Workspace::default();
+    let (initial_train_loss, _) = evaluate(comm, net, data, &params, &mut ws)?;
+    let mut grad = vec![0.0f32; len];
+    let (mut xs, mut ys) = (Vec::new(), Vec::new());
+    let mut order = (u64::MAX, Vec::new());
+    let mut curves = Curves::default();
+    let mut sent_bytes = 0u64;
+    let mut warnings: Vec<(String, u64)> = Vec::new();
+    let mut density_sum = 0.0;
+    let mut diverged = false;
+    // The local gradient is the shard's summed gradient times world / batch: the average over ranks is
+    // then the global batch's mean gradient, whatever the shard sizes.
+    let scale = world as f32 / args.batch as f32;
+    let start = Instant::now();
+    for step in 0..args.steps {
+        let idx = data::shard(
+            args.seed,
+            data.train_len(),
+            args.batch,
+            step,
+            rank,
+            world,
+            &mut order,
+        );
+        data.gather(&idx, &mut xs, &mut ys);
+        grad.fill(0.0);
+        let loss = net.loss_and_grad(&params, &xs, &ys, scale, &mut grad, &mut ws);
+        let info = sync
+            .sync(comm, &mut grad, step)
+            .map_err(|e| format!("{setting}, {opt}, step {step}: {e}"))?;
+        optimizer.step(&mut params, &grad);
+        sent_bytes += info.sent_bytes;
+        density_sum += info.density;
+        for w in info.warnings {
+            match warnings.iter_mut().find(|(t, _)| *t == w) {
+                Some((_, n)) => *n += 1,
+                None => warnings.push((w, 1)),
+            }
+        }
+        let mut m = [
+            loss,
+            ys.len() as f64,
+            info.grad_norm,
+            info.compression_error,
+        ];
+        comm.all_reduce_in_place(&mut m, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+        let batch_loss = m[0] / m[1];
+        curves.loss.push(batch_loss);
+        curves.grad_norm.push(m[2] / world as f64);
+        curves.compression_error.push(m[3] / world as f64);
+        if !batch_loss.is_finite() {
+            // Every rank sees the same reduced loss, so every rank stops here.
+            diverged = true;
+            break;
+        }
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let (final_train_loss, test_accuracy) = evaluate(comm, net, data, &params, &mut ws)?;
+    let mut hashes = vec![0u64; world];
+    comm.all_gather(&[fnv(&params)], &mut hashes)
+        .map_err(|e| e.to_string())?;
+    if let Some(r) = hashes.iter().position(|h| *h != hashes[0]) {
+        return Err(format!(
+            "{setting}, {opt}: ranks ended with different parameters (rank 0 hash {:016x}, rank {r} {:016x})",
+            hashes[0], hashes[r]
+        ));
+    }
+    let steps_run = curves.loss.len() as u64;
+    let n = world as u64;
+    Ok(RunResult {
+        setting: setting.to_string(),
+        optimizer: opt.to_string(),
+        error_feedback: setting.error_feedback,
+        initial_train_loss,
+        final_train_loss: if diverged { f64::NAN } else { final_train_loss },
+        test_accuracy,
+        loss_vs_dense_pct: None,
+        sent_bytes,
+        dense_sent_bytes: steps_run * 2 * (n - 1) * 4 * len as u64 / n,
+        seconds,
+        diverged,
+        mean_density: density_sum / steps_run.max(1) as f64,
+        warnings,
+        curves,
+    })
+}
+
+/// Runs the whole evaluation on this rank; rank 0 prints and writes the outputs.
+pub fn run(comm: &Communicator, args: &EvalArgs) -> Result<Report, String> {
+    let data = args.task.load(args.seed, args.quick)?;
+    if args.batch < comm.world_size() {
+        return Err(format!(
+            "--batch {} is smaller than the {} ranks: some ranks would get no samples",
+            args.batch,
+            comm.world_size()
+        ));
+    }
+    let mut sizes = vec![data.dim];
+    sizes.extend(args.task.hidden(args.quick));
+    sizes.push(data.classes);
+    let net = Mlp::new(&sizes)?;
+    let init = net.init(args.seed, 1.0);
+    let lead = comm.rank() == 0;
+    if lead {
+        eprintln!(
+            "compress-eval: task {}, {} ranks, MLP {:?} ({} parameters), {} steps of global batch {}, \
+             {} train / {} test samples",
+            args.task,
+            comm.world_size(),
+            sizes,
+            net.num_params(),
+            args.steps,
+            args.batch,
+            data.train_len(),
+            data.test_y.len()
+        );
+    }
+    let total = args.optimizers.len() * args.settings.len();
+    let mut runs = Vec::with_capacity(total);
+    for &opt in &args.optimizers {
+        for &setting in &args.settings {
+            let r = train(comm, args, &net, &data, &init, setting, opt)?;
+            if lead {
+                eprintln!(
+                    "[{}/{}] {setting} {opt}: train loss {:.4}, test accuracy {:.1}%, {:.1} s",
+                    runs.len() + 1,
+                    total,
+                    r.final_train_loss,
+                    100.0 * r.test_accuracy,
+                    r.seconds
+                );
+                for (w, n) in &r.warnings {
+                    eprintln!(
+                        "warning ({setting}, {opt}, {n} of {} steps): {w}",
+                        r.curves.loss.len()
+                    );
+                }
+            }
+            runs.push(r);
+        }
+    }
+    fill_relative(&mut runs);
+    let report = Report {
+        task: args.task.to_string(),
+        ranks: comm.world_size(),
+        steps: args.steps,
+        global_batch: args.batch,
+        parameters: net.num_params(),
+        seed: args.seed,
+        runs,
+    };
+    if lead {
+        print!("{}", table(&report));
+        println!(
+            "parameters bit-identical on all {} ranks after each of the {} runs",
+            report.ranks,
+            report.runs.len()
+        );
+        if let Some(dir) = &args.out {
+            let files = write_plots(dir, &report)?;
+            println!("plots: {}", files.join(", "));
+        }
+        if let Some(path) = &args.json {
+            let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+            std::fs::write(path, text).map_err(|e| format!("cannot write {path}: {e}"))?;
+        }
+    }
+    Ok(report)
+}
+
+/// Fills `loss_vs_dense_pct` from the dense run of the same optimizer.
+fn fill_relative(runs: &mut [RunResult]) {
+    let dense: Vec<(String, f64)> = runs
+        .iter()
+        .filter(|r| r.setting == "dense")
+        .map(|r| (r.optimizer.clone(), r.final_train_loss))
+        .collect();
+    for r in runs.iter_mut() {
+        r.loss_vs_dense_pct = dense
+            .iter()
+            .find(|(o, _)| *o == r.optimizer)
+            .map(|(_, d)| 100.0 * (r.final_train_loss - d) / d);
+    }
+}
+
+fn mb(bytes: u64) -> String {
+    format!("{:.2}", bytes as f64 / 1e6)
+}
+
+/// The results table, then the settings that harm each optimizer and the warnings.
+pub fn table(report: &Report) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "# braid compress-eval: task {}, {} ranks, {} parameters, {} steps, global batch {}",
+        report.task, report.ranks, report.parameters, report.steps, report.global_batch
+    );
+    let _ = writeln!(
+        s,
+        "{:<18} {:<5} {:>10} {:>10} {:>9} {:>9} {:>12} {:>7} {:>8}  note",
+        "setting",
+        "opt",
+        "init loss",
+        "train loss",
+        "test acc",
+        "vs dense",
+        "MB sent/rank",
+        "ratio",
+        "time s"
+    );
+    for r in &report.runs {
+        let rel = match r.loss_vs_dense_pct {
+            Some(p) if p.is_finite() => format!("{p:+.2}%"),
+            _ => "-".into(),
+        };
+        let mut note = Vec::new();
+        if r.diverged {
+            note.push("DIVERGED".to_string());
+        } else if r.loss_vs_dense_pct.is_some_and(|p| p > HARM_PCT) {
+            note.push(format!("HARMED (>{HARM_PCT}% above dense)"));
+        }
+        if !r.warnings.is_empty() {
+            note.push(format!("warned: density {:.2}%", 100.0 * r.mean_density));
+        }
+        let _ = writeln!(
+            s,
+            "{:<18} {:<5} {:>10.4} {:>10.4} {:>8.1}% {:>9} {:>12} {:>6.1}x {:>8.2}  {}",
+            r.setting,
+            r.optimizer,
+            r.initial_train_loss,
+            r.final_train_loss,
+            100.0 * r.test_accuracy,
+            rel,
+            mb(r.sent_bytes),
+            r.dense_sent_bytes as f64 / r.sent_bytes.max(1) as f64,
+            r.seconds,
+            note.join("; ")
+        );
+    }
+    for opt in ["sgd", "adam"] {
+        let harmed: Vec<String> = report
+            .runs
+            .iter()
+            .filter(|r| r.optimizer == opt)
+            .filter(|r| r.diverged || r.loss_vs_dense_pct.is_some_and(|p| p > HARM_PCT))
+            .map(|r| match r.loss_vs_dense_pct {
+                Some(p) if p.is_finite() => format!("{} ({p:+.1}%)", r.setting),
+                _ => format!("{} (diverged)", r.setting),
+            })
+            .collect();
+        if report
+            .runs
+            .iter()
+            .any(|r| r.optimizer == opt && r.setting == "dense")
+        {
+            let _ = writeln!(
+                s,
+                "{opt}: {}",
+                if harmed.is_empty() {
+                    format!("no setting ends more than {HARM_PCT}% above dense")
+                } else {
+                    format!(
+                        "harmed (final train loss >{HARM_PCT}% above dense): {}",
+                        harmed.join(", ")
+                    )
+                }
+            );
+        }
+    }
+    // Settings that cost Adam more than they cost SGD.
+    let worse: Vec<String> = report
+        .runs
+        .iter()
+        .filter(|a| a.optimizer == "adam")
+        .filter_map(|a| {
+            let s = report
+                .runs
+                .iter()
+                .find(|s| s.optimizer == "sgd" && s.setting == a.setting)?;
+            let (pa, ps) = (a.loss_vs_dense_pct?, s.loss_vs_dense_pct?);
+            (pa - ps > HARM_PCT || (a.diverged && !s.diverged))
+                .then(|| format!("{} (adam {pa:+.1}% vs sgd {ps:+.1}%)", a.setting))
+        })
+        .collect();
+    if !worse.is_empty() {
+        let _ = writeln!(s, "worse for adam than for sgd: {}", worse.join(", "));
+    }
+    for r in &report.runs {
+        for (w, n) in &r.warnings {
+            let _ = writeln!(
+                s,
+                "warning ({}, {}, {n} steps): {w}",
+                r.setting, r.optimizer
+            );
+        }
+    }
+    s
+}
+
+/// Mean over windows, so that curves of hundreds of noisy steps stay readable.
+fn smooth(v: &[f64], points: usize) -> Vec<(f64, f64)> {
+    let w = v.len().div_ceil(points.max(1)).max(1);
+    v.chunks(w)
+        .enumerate()
+        .map(|(i, c)| {
+            (
+                (i * w + c.len() / 2) as f64,
+                c.iter().sum::<f64>() / c.len() as f64,
+            )
+        })
+        .collect()
+}
+
+fn write_plots(dir: &str, report: &Report) -> Result<Vec<String>, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {dir}: {e}"))?;
+    let mut files = Vec::new();
+    let mut opts: Vec<&str> = Vec::new();
+    for r in &report.runs {
+        if !opts.contains(&r.optimizer.as_str()) {
+            opts.push(&r.optimizer);
+        }
+    }
+    type Pick = fn(&Curves) -> &Vec<f64>;
+    let kinds: [(&str, &str, Pick); 3] = [
+        ("loss", "training loss (mini-batch, smoothed)", |c| &c.loss),
+        ("grad_norm", "gradient norm before compression", |c| {
+            &c.grad_norm
+        }),
+        ("compression_error", "relative compression error", |c| {
+            &c.compression_error
+        }),
+    ];
+    for opt in opts {
+        for (file, what, pick) in kinds {
+            let series: Vec<plot::Series> = report
+                .runs
+                .iter()
+                .filter(|r| r.optimizer == opt)
+                .map(|r| (r.setting.clone(), smooth(pick(&r.curves), 150)))
+                .collect();
+            let path = format!("{dir}/{file}_{opt}.png");
+            let title = format!(
+                "{} task, {} ranks, {opt}: {what}",
+                report.task, report.ranks
+            );
+            match plot::lines(&path, &title, what, &series) {
+                Ok(()) => files.push(path),
+                // Dense-only runs have no compression error to draw; say so rather than fail.
+                Err(e) if e.ends_with("nothing to plot") => eprintln!("compress-eval: {e}"),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+    Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_of(setting: &str, opt: &str, loss: f64) -> RunResult {
+        RunResult {
+            setting: setting.into(),
+            optimizer: opt.into(),
+            error_feedback: true,
+            initial_train_loss: 2.3,
+            final_train_loss: loss,
+            test_accuracy: 0.5,
+            loss_vs_dense_pct: None,
+            sent_bytes: 100,
+            dense_sent_bytes: 1000,
+            seconds: 1.0,
+            diverged: false,
+            mean_density: 0.1,
+            warnings: Vec::new(),
+            curves: Curves::default(),
+        }
+    }
+
+    #[test]
+    fn relative_loss_uses_the_dense_run_of_the_same_optimizer_and_harm_is_shown() {
+        let mut runs = vec![
+            run_of("dense", "sgd", 0.5),
+            run_of("topk:0.1/ef", "sgd", 0.51),
+            run_of("dense", "adam", 0.2),
+            run_of("topk:0.1/ef", "adam", 0.3),
+        ];
+        fill_relative(&mut runs);
+        assert!((runs[1].loss_vs_dense_pct.unwrap() - 2.0).abs() < 1e-9);
+        assert!((runs[3].loss_vs_dense_pct.unwrap() - 50.0).abs() < 1e-9);
+        let report = Report {
+            task: "teacher".into(),
+            ranks: 2,
+            steps: 10,
+            global_batch: 8,
+            parameters: 100,
+            seed: 1,
+            runs,
+        };
+        let t = table(&report);
+        assert!(t.contains("sgd: no setting ends more than"), "{t}");
+        assert!(
+            t.contains("adam: harmed") && t.contains("topk:0.1/ef (+50.0%)"),
+            "{t}"
+        );
+        assert!(
+            t.contains("worse for adam than for sgd: topk:0.1/ef"),
+            "{t}"
+        );
+        assert!(t.contains("10.0x"), "{t}");
+    }
+
+    #[test]
+    fn smoothing_averages_windows() {
+        let v: Vec<f64> = (0..10).map(|i| i as f64).collect();
+        let s = smooth(&v, 5);
+        assert_eq!(s.len(), 5);
+        assert_eq!(s[0], (1.0, 0.5));
+        assert_eq!(s[4], (9.0, 8.5));
+    }
+
+    #[test]
+    fn lists_parse_and_refuse_empty() {
+        let s = parse_list("dense, topk:0.1", "codecs", |t| t.parse::<Setting>()).unwrap();
+        assert_eq!(s.len(), 2);
+        assert!(parse_list(" , ", "codecs", |t| t.parse::<Setting>()).is_err());
+        assert!(parse_list("sgd,lion", "optimizers", |t| t.parse::<OptKind>()).is_err());
+        assert_eq!(default_settings(true)[0].to_string(), "dense");
+    }
+}

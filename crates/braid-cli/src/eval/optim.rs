@@ -1,0 +1,194 @@
+//! SGD with momentum and Adam, over flat parameter and gradient vectors.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// Which optimizer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OptKind {
+    /// SGD with heavy-ball momentum 0.9.
+    Sgd,
+    /// Adam (β1 0.9, β2 0.999, ε 1e-8).
+    Adam,
+}
+
+impl FromStr for OptKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "sgd" => Ok(OptKind::Sgd),
+            "adam" => Ok(OptKind::Adam),
+            other => Err(format!(
+                "unknown optimizer {other:?} (expected sgd or adam)"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for OptKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OptKind::Sgd => "sgd",
+            OptKind::Adam => "adam",
+        })
+    }
+}
+
+impl OptKind {
+    /// Whether the optimizer scales steps by a second-moment estimate (the seed's adaptive optimizers).
+    pub fn is_adaptive(self) -> bool {
+        matches!(self, OptKind::Adam)
+    }
+}
+
+/// An optimizer's state for one parameter vector.
+#[derive(Clone, Debug)]
+pub enum Optimizer {
+    /// `v = μ·v + g; p −= lr·v` (the PyTorch form, no dampening).
+    Sgd {
+        lr: f32,
+        momentum: f32,
+        velocity: Vec<f32>,
+    },
+    /// `m = β1·m + (1−β1)·g; v = β2·v + (1−β2)·g²; p −= lr·m̂ / (√v̂ + ε)` with bias-corrected `m̂`, `v̂`.
+    Adam {
+        lr: f32,
+        beta1: f32,
+        beta2: f32,
+        eps: f32,
+        t: i32,
+        m: Vec<f32>,
+        v: Vec<f32>,
+    },
+}
+
+impl Optimizer {
+    /// SGD with momentum 0.9.
+    pub fn sgd(lr: f32, len: usize) -> Self {
+        Optimizer::Sgd {
+            lr,
+            momentum: 0.9,
+            velocity: vec![0.0; len],
+        }
+    }
+
+    /// Adam with β1 0.9, β2 0.999, ε 1e-8.
+    pub fn adam(lr: f32, len: usize) -> Self {
+        Optimizer::Adam {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            t: 0,
+            m: vec![0.0; len],
+            v: vec![0.0; len],
+        }
+    }
+
+    /// A fresh optimizer of `kind`.
+    pub fn new(kind: OptKind, lr: f32, len: usize) -> Self {
+        match kind {
+            OptKind::Sgd => Self::sgd(lr, len),
+            OptKind::Adam => Self::adam(lr, len),
+        }
+    }
+
+    /// Applies one step of `grad` to `params`.
+    pub fn step(&mut self, params: &mut [f32], grad: &[f32]) {
+        match self {
+            Optimizer::Sgd {
+                lr,
+                momentum,
+                velocity,
+            } => {
+                assert!(params.len() == velocity.len() && grad.len() == velocity.len());
+                for ((p, v), g) in params.iter_mut().zip(velocity.iter_mut()).zip(grad) {
+                    *v = *momentum * *v + g;
+                    *p -= *lr * *v;
+                }
+            }
+            Optimizer::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                t,
+                m,
+                v,
+            } => {
+                assert!(params.len() == m.len() && grad.len() == m.len());
+                *t += 1;
+                let c1 = 1.0 - beta1.powi(*t);
+                let c2 = 1.0 - beta2.powi(*t);
+                for (((p, m), v), &g) in params
+                    .iter_mut()
+                    .zip(m.iter_mut())
+                    .zip(v.iter_mut())
+                    .zip(grad)
+                {
+                    *m = *beta1 * *m + (1.0 - *beta1) * g;
+                    *v = *beta2 * *v + (1.0 - *beta2) * g * g;
+                    let mh = *m / c1;
+                    let vh = *v / c2;
+                    *p -= *lr * mh / (vh.sqrt() + *eps);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: f32, b: f64) -> bool {
+        (a as f64 - b).abs() <= 1e-6 * b.abs().max(1.0)
+    }
+
+    #[test]
+    fn sgd_momentum_matches_hand_computed_steps() {
+        // p0 = [1, -2], lr 0.1, μ 0.9.
+        // g1 = [1, 0.5]: v = [1, 0.5],      p = [0.9, -2.05]
+        // g2 = [1, -1]:  v = [1.9, -0.55],  p = [0.71, -1.995]
+        let mut opt = Optimizer::sgd(0.1, 2);
+        let mut p = [1.0f32, -2.0];
+        opt.step(&mut p, &[1.0, 0.5]);
+        assert!(close(p[0], 0.9) && close(p[1], -2.05), "{p:?}");
+        opt.step(&mut p, &[1.0, -1.0]);
+        assert!(close(p[0], 0.71) && close(p[1], -1.995), "{p:?}");
+    }
+
+    #[test]
+    fn adam_matches_hand_computed_steps() {
+        // lr 0.1, p0 = 0. Step 1, g = 2: m = 0.2, v = 0.004, m̂ = 2, v̂ = 4,
+        //   p = −0.1 · 2 / (2 + 1e-8) = −0.09999999950.
+        // Step 2, g = −1: m = 0.18 − 0.1 = 0.08, v = 0.003996 + 0.001 = 0.004996,
+        //   m̂ = 0.08 / 0.19 = 0.4210526316, v̂ = 0.004996 / 0.001999 = 2.4992496248,
+        //   √v̂ = 1.5809015228, step = 0.1 · 0.4210526316 / 1.5809015228 = 0.0266337038,
+        //   p = −0.0999999995 − 0.0266337038 = −0.1266337033.
+        let mut opt = Optimizer::adam(0.1, 1);
+        let mut p = [0.0f32];
+        opt.step(&mut p, &[2.0]);
+        assert!(close(p[0], -0.0999999995), "{p:?}");
+        opt.step(&mut p, &[-1.0]);
+        assert!(close(p[0], -0.1266337033), "{p:?}");
+    }
+
+    #[test]
+    fn adam_first_step_is_lr_times_sign_whatever_the_scale() {
+        for g in [1e-3f32, 1.0, 1e3] {
+            let mut opt = Optimizer::adam(0.01, 2);
+            let mut p = [0.0f32, 0.0];
+            opt.step(&mut p, &[g, -g]);
+            assert!(close(p[0], -0.01) && close(p[1], 0.01), "g {g}: {p:?}");
+        }
+    }
+
+    #[test]
+    fn kinds_parse_and_report_adaptivity() {
+        assert_eq!("SGD".parse::<OptKind>().unwrap(), OptKind::Sgd);
+        assert_eq!("adam".parse::<OptKind>().unwrap(), OptKind::Adam);
+        assert!("rmsprop".parse::<OptKind>().is_err());
+        assert!(OptKind::Adam.is_adaptive() && !OptKind::Sgd.is_adaptive());
+    }
+}
