@@ -433,7 +433,7 @@ pub fn table(report: &Report) -> String {
             note.push(format!("HARMED (>{HARM_PCT}% above dense)"));
         }
         if !r.warnings.is_empty() {
-            note.push(format!("warned: density {:.2}%", 100.0 * r.mean_density));
+            note.push(format!("warned: density {:.3}%", 100.0 * r.mean_density));
         }
         let _ = writeln!(
             s,
@@ -549,7 +549,7 @@ fn write_plots(dir: &str, report: &Report) -> Result<Vec<String>, String> {
                 .runs
                 .iter()
                 .filter(|r| r.optimizer == opt)
-                .map(|r| (r.setting.clone(), smooth(pick(&r.curves), 150)))
+                .map(|r| (r.setting.clone(), smooth(pick(&r.curves), 75)))
                 .collect();
             let path = format!("{dir}/{file}_{opt}.png");
             let title = format!(

@@ -5,27 +5,32 @@ use std::sync::OnceLock;
 use plotters::prelude::*;
 
 /// One line: its label and its points `(step, value)`.
-pub type Series = (String, Vec<(f64, f64)>);
+pub type Series = (String, Points);
+
+/// Points `(step, value)`.
+pub type Points = Vec<(f64, f64)>;
 
 /// Draws `series` to `path` with a logarithmic y axis; non-positive and non-finite values are left out,
 /// and a series left with no points is left out of the chart.
 pub fn lines(path: &str, title: &str, y_desc: &str, series: &[Series]) -> Result<(), String> {
     static FONT: OnceLock<Result<(), String>> = OnceLock::new();
     FONT.get_or_init(crate::plot::load_font).clone()?;
-    let kept: Vec<(&str, Vec<(f64, f64)>)> = series
+    // Each series keeps its colour (its index in `series`) even when others are left out.
+    let kept: Vec<(usize, &str, Points)> = series
         .iter()
-        .map(|(name, pts)| {
+        .enumerate()
+        .map(|(i, (name, pts))| {
             let pts: Vec<(f64, f64)> = pts
                 .iter()
                 .copied()
                 .filter(|(x, y)| x.is_finite() && y.is_finite() && *y > 0.0)
                 .collect();
-            (name.as_str(), pts)
+            (i, name.as_str(), pts)
         })
-        .filter(|(_, pts)| !pts.is_empty())
+        .filter(|(_, _, pts)| !pts.is_empty())
         .collect();
     let (mut xmax, mut ymin, mut ymax) = (1f64, f64::MAX, f64::MIN_POSITIVE);
-    for (_, pts) in &kept {
+    for (_, _, pts) in &kept {
         for (x, y) in pts {
             xmax = xmax.max(*x);
             ymin = ymin.min(*y);
@@ -54,8 +59,8 @@ pub fn lines(path: &str, title: &str, y_desc: &str, series: &[Series]) -> Result
         .y_label_formatter(&|y| format!("{y:.3}"))
         .draw()
         .map_err(|e| e.to_string())?;
-    for (i, (name, pts)) in kept.iter().enumerate() {
-        let color = Palette99::pick(i).to_rgba();
+    for (i, name, pts) in &kept {
+        let color = Palette99::pick(*i).to_rgba();
         chart
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
             .map_err(|e| e.to_string())?
