@@ -216,6 +216,13 @@ fn scenario_algorithms(c: &Communicator) -> usize {
 }
 
 fn rank_main(scenario: &str, args: &[String]) -> i32 {
+    // Pretend ranks live on hosts of `TEST_RANKS_PER_HOST` ranks each (shared memory inside a host,
+    // TCP between hosts).
+    if let Ok(per) = std::env::var("TEST_RANKS_PER_HOST") {
+        let rank: usize = std::env::var("BRAID_RANK").unwrap().parse().unwrap();
+        let per: usize = per.parse().unwrap();
+        std::env::set_var("BRAID_HOST_ID", format!("test-host-{}", rank / per));
+    }
     let c = match Communicator::from_env() {
         Ok(c) => c,
         Err(e) => {
@@ -385,6 +392,68 @@ fn test_algorithms() {
         );
         println!("  every algorithm on {n} ranks with 3 channels: ok");
     }
+}
+
+/// Every algorithm over TCP alone, over several sockets per peer, and over shared memory inside
+/// pretend hosts with TCP between them.
+fn test_transports() {
+    let cases: [(usize, &[(&str, &str)]); 5] = [
+        (2, &[("BRAID_TRANSPORT", "tcp")]),
+        (
+            3,
+            &[("BRAID_TRANSPORT", "tcp"), ("BRAID_SOCKETS_PER_PEER", "3")],
+        ),
+        (4, &[("TEST_RANKS_PER_HOST", "2")]),
+        (
+            5,
+            &[
+                ("TEST_RANKS_PER_HOST", "2"),
+                ("BRAID_SOCKETS_PER_PEER", "2"),
+            ],
+        ),
+        (6, &[("TEST_RANKS_PER_HOST", "3"), ("BRAID_CHANNELS", "2")]),
+    ];
+    for (n, extra) in cases {
+        let start = Instant::now();
+        let mut env = vec![
+            ("BRAID_TIMEOUT_MS", "60000"),
+            ("BRAID_CHUNK_BYTES", "16384"),
+        ];
+        env.extend_from_slice(extra);
+        let o = braid_run(n, &["algorithms"], &env);
+        assert!(
+            o.status.success(),
+            "algorithms on {n} ranks with {extra:?} failed:\n{}",
+            show(&o)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&o.stdout).matches(" ok: ").count(),
+            n,
+            "{}",
+            show(&o)
+        );
+        println!(
+            "  every algorithm on {n} ranks with {extra:?}: ok ({:.1} s)",
+            start.elapsed().as_secs_f64()
+        );
+    }
+    // A rank that insists on shared memory cannot join ranks of another host, and says why.
+    let o = braid_run(
+        2,
+        &["small"],
+        &[
+            ("TEST_RANKS_PER_HOST", "1"),
+            ("BRAID_TRANSPORT", "shm"),
+            ("BRAID_TIMEOUT_MS", "20000"),
+        ],
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        !o.status.success() && out.contains("another host") && out.contains("BRAID_TRANSPORT=shm"),
+        "{}",
+        show(&o)
+    );
+    println!("  shm-only ranks on two hosts are refused with a reason: ok");
 }
 
 fn test_launcher_stops_everyone_when_one_rank_fails() {
@@ -568,12 +637,13 @@ fn main() {
         return;
     }
     let before = braid_segments();
-    let tests: [(&str, fn()); 8] = [
+    let tests: [(&str, fn()); 9] = [
         ("matrix of ranks × dtypes × ops × counts", test_matrix),
         (
             "every algorithm of every collective, forced",
             test_algorithms,
         ),
+        ("tcp, several sockets, and shm+tcp hosts", test_transports),
         (
             "launcher stops everyone when one rank fails",
             test_launcher_stops_everyone_when_one_rank_fails,

@@ -13,8 +13,7 @@ use std::time::Instant;
 use braid_core::reduce::{self, Src};
 use braid_core::{Config, DType, Error, ReduceOp};
 use braid_sched::{direct, rhd, ring, tree, Action, Buf};
-use braid_transport::shm::{RecvSlot, ShmTransport};
-use braid_transport::WaitCtx;
+use braid_transport::{RecvSlot, Transport, WaitCtx};
 use tracing::{error, trace};
 
 use crate::recorder::Recorder;
@@ -162,7 +161,7 @@ pub(crate) struct Executor {
     pub world: usize,
     config: Config,
     pub tuner: Tuner,
-    transport: Option<ShmTransport>,
+    transport: Option<Transport>,
     abort: Arc<AtomicBool>,
     seq: u64,
     pub recorder: Recorder,
@@ -187,7 +186,7 @@ impl Executor {
         world: usize,
         config: Config,
         tuner: Tuner,
-        transport: Option<ShmTransport>,
+        transport: Option<Transport>,
         abort: Arc<AtomicBool>,
     ) -> Executor {
         Executor {
@@ -337,7 +336,7 @@ fn fingerprint(op: &Op, seq: u64) -> Fingerprint {
 
 /// Sends this rank's fingerprint to every peer and compares theirs with it (`BRAID_DEBUG_CHECKS`).
 fn check_fingerprints(
-    t: &ShmTransport,
+    t: &Transport,
     ctx: &WaitCtx<'_>,
     world: usize,
     op: &Op,
@@ -348,7 +347,7 @@ fn check_fingerprints(
     for k in 1..world {
         let mut s = t.send_slot((ctx.rank + k) % world, ctx)?;
         s.data()[..bytes.len()].copy_from_slice(&bytes);
-        s.post(bytes.len());
+        s.post(bytes.len(), ctx)?;
     }
     let mut first_err = None;
     for k in 1..world {
@@ -399,7 +398,7 @@ fn expect_len(ctx: &WaitCtx<'_>, peer: usize, got: usize, want: usize) -> Result
 }
 
 /// Executes one action.
-fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Result<(), Error> {
+fn step(t: &Transport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Result<(), Error> {
     let op = bufs.op;
     let (dtype, es, acc) = (op.dtype, bufs.es, op.dtype.accumulator().size());
     match a {
@@ -411,13 +410,13 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
                 Buf::Output => &*bufs.output(range),
             };
             s.data()[..src.len()].copy_from_slice(src);
-            s.post(src.len());
+            s.post(src.len(), ctx)?;
         }
         Action::SendAcc { to, range } => {
             let mut s = t.send_slot(*to, ctx)?;
             let len = range.len() * acc;
             reduce::to_acc(dtype, &mut s.data()[..len], bufs.input(range));
-            s.post(len);
+            s.post(len, ctx)?;
         }
         Action::RecvReduceSend { from, to, range } => {
             let m = t.recv(*from, ctx)?;
@@ -431,7 +430,7 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
                 m.data(),
                 bufs.input(range),
             );
-            s.post(len);
+            s.post(len, ctx)?;
         }
         Action::RecvReduceFinal {
             from,
@@ -460,7 +459,7 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
                 let mut s = t.send_slot(*to, ctx)?;
                 let out = bufs.output(output);
                 s.data()[..out.len()].copy_from_slice(out);
-                s.post(out.len());
+                s.post(out.len(), ctx)?;
             }
         }
         Action::RecvCopy {
@@ -474,7 +473,7 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
             if let Some(to) = forward {
                 let mut s = t.send_slot(*to, ctx)?;
                 s.data()[..m.data().len()].copy_from_slice(m.data());
-                s.post(m.data().len());
+                s.post(m.data().len(), ctx)?;
             }
         }
         Action::LoadAcc { range } => {
@@ -501,7 +500,7 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
             let sc = bufs.scratch.borrow();
             let src = &sc[range.start * acc..range.end * acc];
             s.data()[..src.len()].copy_from_slice(src);
-            s.post(src.len());
+            s.post(src.len(), ctx)?;
         }
         Action::FinishScratch { range, nranks } => {
             let sc = bufs.scratch.borrow();
@@ -534,7 +533,7 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
 /// Receives `input`'s counterpart from every other rank and reduces all contributions in rank order
 /// into `output`.
 fn reduce_all<'t>(
-    t: &'t ShmTransport,
+    t: &'t Transport,
     ctx: &WaitCtx<'_>,
     bufs: &Bufs<'_>,
     input: &Range<usize>,
