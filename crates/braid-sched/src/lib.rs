@@ -21,6 +21,7 @@
 
 pub mod cost;
 pub mod direct;
+pub mod hier;
 pub mod rhd;
 pub mod ring;
 pub mod sim;
