@@ -245,8 +245,8 @@ pub fn flat_ring_cost(
     let step = |s: f64| {
         // Links within a host exist unless every host has one rank; links between hosts unless there
         // is one host.
-        let intra = (n > hosts).then(|| links.intra_alpha_us + s * links.intra_beta_us_per_byte);
-        let inter = (hosts > 1).then(|| links.inter_alpha_us + s * links.inter_beta_us_per_byte);
+        let intra = (n > hosts).then_some(links.intra_alpha_us + s * links.intra_beta_us_per_byte);
+        let inter = (hosts > 1).then_some(links.inter_alpha_us + s * links.inter_beta_us_per_byte);
         intra.into_iter().chain(inter).fold(0.0, f64::max)
     };
     let (sp, sr) = (b * f / nf / k, b / nf / k);

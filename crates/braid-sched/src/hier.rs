@@ -174,11 +174,8 @@ pub fn all_reduce(hosts: &[Vec<usize>], rank: usize, count: usize, chunk: usize)
         }
 
         // 3. Intra-host all-gather of chunk c, in the second half of round c + 2.
-        for k in 0..nh {
+        for k in (0..nh).filter(|_| lh > 1) {
             let e = (c + 2) * round + nh * sigma + k * (lh - 1);
-            if lh == 1 {
-                break;
-            }
             if let Some(range) = pieces.get(i, k, c) {
                 push(
                     (e, 2, 0),

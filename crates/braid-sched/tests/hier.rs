@@ -78,6 +78,65 @@ fn messages_fit(p: &[Vec<Action>], chunk: usize) -> bool {
     })
 }
 
+/// Runs only the message traffic of `plans` over channels of `depth` slots, picking at every step a
+/// random rank whose next action can run: whether the schedules finish whatever the relative speed of
+/// the ranks (the simulator always runs ranks in one fixed order).
+fn finishes_under_any_timing(plans: &[Vec<Action>], depth: usize, mut seed: u64) -> bool {
+    let n = plans.len();
+    let mut queued = vec![vec![0usize; n]; n];
+    let mut pc = vec![0usize; n];
+    loop {
+        let ready: Vec<usize> = (0..n)
+            .filter(|&r| {
+                let has = |from: usize| queued[from][r] > 0;
+                let room = |to: usize| queued[r][to] < depth;
+                match plans[r].get(pc[r]) {
+                    None => false,
+                    Some(
+                        Action::Send { to, .. }
+                        | Action::SendAcc { to, .. }
+                        | Action::SendScratch { to, .. },
+                    ) => room(*to),
+                    Some(Action::RecvReduceSend { from, to, .. }) => has(*from) && room(*to),
+                    Some(
+                        Action::RecvReduceFinal { from, forward, .. }
+                        | Action::RecvCopy { from, forward, .. },
+                    ) => has(*from) && forward.is_none_or(room),
+                    Some(Action::RecvCombine { from, .. }) => has(*from),
+                    Some(Action::RecvReduceAll { .. }) => (0..n).filter(|&p| p != r).all(has),
+                    Some(
+                        Action::Copy { .. } | Action::LoadAcc { .. } | Action::FinishScratch { .. },
+                    ) => true,
+                }
+            })
+            .collect();
+        if ready.is_empty() {
+            return (0..n).all(|r| pc[r] == plans[r].len());
+        }
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let r = ready[(seed % ready.len() as u64) as usize];
+        let (from, to) = match &plans[r][pc[r]] {
+            Action::Send { to, .. }
+            | Action::SendAcc { to, .. }
+            | Action::SendScratch { to, .. } => (None, Some(*to)),
+            Action::RecvReduceSend { from, to, .. } => (Some(*from), Some(*to)),
+            Action::RecvReduceFinal { from, forward, .. }
+            | Action::RecvCopy { from, forward, .. } => (Some(*from), *forward),
+            Action::RecvCombine { from, .. } => (Some(*from), None),
+            _ => (None, None),
+        };
+        if let Some(f) = from {
+            queued[f][r] -= 1;
+        }
+        if let Some(t) = to {
+            queued[r][t] += 1;
+        }
+        pc[r] += 1;
+    }
+}
+
 fn hier_plans(hosts: &[Vec<usize>], count: usize, chunk: usize) -> Vec<Vec<Action>> {
     plans(world(hosts), |r| hier::all_reduce(hosts, r, count, chunk))
 }
@@ -195,6 +254,46 @@ proptest! {
             }
         }
     }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn hier_never_deadlocks_with_two_slots(hosts in uneven_hosts(), count in 0usize..300,
+        chunk in 1usize..40, seed in any::<u64>()) {
+        let p = hier_plans(&hosts, count, chunk);
+        for k in 0..8u64 {
+            prop_assert!(finishes_under_any_timing(&p, 2, (seed ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1));
+        }
+    }
+}
+
+#[test]
+fn random_timing_catches_a_deadlock() {
+    // Two ranks that both send twice before receiving need three slots: the checker must say so.
+    let p: Vec<Vec<Action>> = (0..2)
+        .map(|r| {
+            let send = Action::SendAcc {
+                to: 1 - r,
+                range: 0..1,
+            };
+            let recv = Action::RecvCombine {
+                from: 1 - r,
+                range: 0..1,
+            };
+            vec![
+                send.clone(),
+                send.clone(),
+                send,
+                recv.clone(),
+                recv.clone(),
+                recv,
+            ]
+        })
+        .collect();
+    assert!(!finishes_under_any_timing(&p, 2, 5));
+    assert!(finishes_under_any_timing(&p, 3, 5));
 }
 
 #[test]
