@@ -18,6 +18,10 @@
 //!   `n−1` contributions.
 //!
 //! The model ranks algorithms; its absolute numbers are only as good as `α`, `β` and `γ`.
+//!
+//! Across hosts there are two link classes ([`HostLinks`]): [`flat_ring_cost`] and [`hier_cost`] model
+//! the flat ring and the hierarchical all-reduce on them, and [`flat_ring_traffic`] and
+//! [`hier_traffic`] count what each rank sends and how much of it leaves its host.
 
 use crate::{chunks_needed, hier, partition, rhd, tree};
 
@@ -206,9 +210,10 @@ pub fn all_reduce_traffic(
 ///
 /// Over many chunks the flat ring's host link moves `(n−1)/n·B·(1+f)` at `β_x`, the hierarchical one's
 /// `(H−1)/H·B·(1+f)` (the same total whether `S` streams or one share the link), and its inter-host
-/// latency is `2(H−1)` steps per chunk position instead of `2(n−1)`: it wins on a slow network as soon
-/// as `L ≥ 2`, by at most `n(H−1)/(H(n−1))` in bandwidth (`1/2·n/(n−1)` for two hosts), and more in
-/// latency; the price is `2(L−1)/L·B` more traffic on host-local links, which are faster. Summed over
+/// latency is `2(H−1)` steps per chunk position instead of `2(n−1)`: on a slow network, with `L ≥ 2`,
+/// its time on the host link is `n(H−1)/(H(n−1))` of the flat ring's (`1/2·n/(n−1)` for two hosts),
+/// and it pays far fewer inter-host latencies; the price is the host-local traffic of a reduce-scatter
+/// and an all-gather on every host, on links that are faster and run alongside. Summed over
 /// all host links, the flat ring crosses hosts with `H(n−1)/n·B·(1+f)` bytes, the hierarchical
 /// schedule with `(H−1)·B·(1+f)`.
 #[derive(Clone, Copy, Debug, PartialEq)]
