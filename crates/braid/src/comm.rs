@@ -115,6 +115,18 @@ impl<R: 'static> Work<R> {
 }
 
 /// The identity of this host: equal strings mean the same kernel (and the same `/dev/shm`).
+/// The ranks of each host, hosts in order of their first rank.
+fn host_groups(table: &[PeerInfo]) -> Vec<Vec<usize>> {
+    let mut hosts: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (r, info) in table.iter().enumerate() {
+        match hosts.iter_mut().find(|(h, _)| *h == info.host) {
+            Some((_, ranks)) => ranks.push(r),
+            None => hosts.push((&info.host, vec![r])),
+        }
+    }
+    hosts.into_iter().map(|(_, ranks)| ranks).collect()
+}
+
 /// How this rank reaches each peer: shared memory when both are on one host and both have a segment,
 /// TCP otherwise. Both sides of a pair decide alike from the same table.
 fn routes(rank: usize, table: &[PeerInfo], config: &Config) -> Result<Vec<Route>, Error> {
@@ -365,7 +377,9 @@ impl Communicator {
         let abort = Arc::new(AtomicBool::new(false));
         let maps = transport.as_ref().map(Transport::handle);
         debug!(rank, world, "communicator ready");
-        let executor = Executor::new(rank, world, config.clone(), tuner, transport, abort.clone());
+        let mut executor =
+            Executor::new(rank, world, config.clone(), tuner, transport, abort.clone());
+        executor.set_hosts(host_groups(&table));
         let recorder = executor.recorder.clone();
         let inner = Inner {
             rank,

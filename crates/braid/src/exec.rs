@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use braid_core::reduce::{self, Src};
 use braid_core::{Config, DType, Error, ReduceOp};
-use braid_sched::{direct, rhd, ring, tree, Action, Buf};
+use braid_sched::{direct, hier, rhd, ring, tree, Action, Buf};
 use braid_transport::{RecvSlot, Transport, WaitCtx};
 use tracing::{error, trace};
 
@@ -167,6 +167,8 @@ pub(crate) struct Executor {
     pub recorder: Recorder,
     /// The last plan, and whether it accumulates in scratch.
     cache: Option<(PlanKey, Vec<Action>, bool)>,
+    /// Ranks of each host, when there is more than one host (rings then visit hosts in turn).
+    hosts: Vec<Vec<usize>>,
     /// Accumulator-typed scratch for schedules that merge several partials at one rank (u64 words, so
     /// it is aligned for every accumulator type).
     scratch: Vec<u64>,
@@ -199,8 +201,16 @@ impl Executor {
             seq: 0,
             recorder: Recorder::default(),
             cache: None,
+            hosts: Vec::new(),
             scratch: Vec::new(),
         }
+    }
+
+    /// Sets the ranks of each host (called once, after the bootstrap).
+    pub(crate) fn set_hosts(&mut self, hosts: Vec<Vec<usize>>) {
+        self.tuner.set_hosts(hosts.iter().map(Vec::len).collect());
+        self.hosts = if hosts.len() > 1 { hosts } else { Vec::new() };
+        self.cache = None;
     }
 
     /// The sequence number the next op will get.
@@ -223,15 +233,28 @@ impl Executor {
     fn build_plan(&self, key: PlanKey) -> Vec<Action> {
         let (n, r, c, chunk) = (self.world, self.rank, key.count, key.chunk);
         match (key.kind, key.algo) {
+            (Kind::AllReduce, Algo::Ring) if !self.hosts.is_empty() => {
+                ring::all_reduce_ordered(&hier::host_order(&self.hosts), r, c, chunk)
+            }
             (Kind::AllReduce, Algo::Ring) => {
                 ring::all_reduce_channels(n, r, c, chunk, self.config.channels)
             }
+            (Kind::AllReduce, Algo::Hier) if !self.hosts.is_empty() => {
+                hier::all_reduce(&self.hosts, r, c, chunk)
+            }
+            (Kind::AllReduce, Algo::Hier) => ring::all_reduce(n, r, c, chunk),
             (Kind::AllReduce, Algo::Tree) => tree::all_reduce(n, r, c, chunk),
             (Kind::AllReduce, Algo::Rhd) => rhd::all_reduce(n, r, c, chunk),
             (Kind::AllReduce, Algo::Direct) => direct::all_reduce(n, r, c, chunk),
             (Kind::ReduceScatter, Algo::Direct) => direct::reduce_scatter(n, r, c, chunk),
+            (Kind::ReduceScatter, _) if !self.hosts.is_empty() => {
+                ring::reduce_scatter_ordered(&hier::host_order(&self.hosts), r, c, chunk)
+            }
             (Kind::ReduceScatter, _) => ring::reduce_scatter(n, r, c, chunk),
             (Kind::AllGather, Algo::Direct) => direct::all_gather(n, r, c, chunk),
+            (Kind::AllGather, _) if !self.hosts.is_empty() => {
+                ring::all_gather_ordered(&hier::host_order(&self.hosts), r, c, chunk)
+            }
             (Kind::AllGather, _) => ring::all_gather(n, r, c, chunk),
             (Kind::Broadcast { root }, Algo::Tree) => tree::broadcast(n, r, root, c, chunk),
             (Kind::Broadcast { root }, _) => ring::broadcast(n, r, root, c, chunk),
