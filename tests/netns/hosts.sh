@@ -68,7 +68,7 @@ resolve_prefix() {
     local live
     live=$(live_prefixes)
     if [ "$(printf '%s\n' "$live" | grep -c .)" -gt 1 ]; then
-      die "several sets of hosts are up ($(echo $live)); say which with --prefix"
+      die "several sets of hosts are up ($(tr '\n' ' ' <<<"$live")); say which with --prefix"
     fi
     echo "$live"
   fi
@@ -79,7 +79,7 @@ remove_prefix() {
   for ns in $(namespaces_of "$p"); do
     pids=$(ip netns pids "$ns" 2>/dev/null | tr '\n' ' ' || true)
     [ -z "$pids" ] || echo "hosts.sh: $ns still has processes ($pids); it lives on until they end" >&2
-    ip netns delete "$ns" 2>/dev/null || [ -z "$(namespaces_of "$p" | grep -Fx "$ns")" ] ||
+    ip netns delete "$ns" 2>/dev/null || ! namespaces_of "$p" | grep -qFx "$ns" ||
       die "cannot delete namespace $ns"
   done
 }
@@ -111,8 +111,10 @@ cmd_up() {
       *) [ -z "$n" ] || usage; n=$1; shift ;;
     esac
   done
-  [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] && [ "$n" -le 254 ] || die "up: N must be 1..254"
-  [[ "$mtu" =~ ^[0-9]+$ ]] && [ "$mtu" -ge 68 ] && [ "$mtu" -le 65535 ] || die "--mtu must be 68..65535"
+  if ! [[ "$n" =~ ^[0-9]+$ ]] || [ "$n" -lt 1 ] || [ "$n" -gt 254 ]; then die "up: N must be 1..254"; fi
+  if ! [[ "$mtu" =~ ^[0-9]+$ ]] || [ "$mtu" -lt 68 ] || [ "$mtu" -gt 65535 ]; then
+    die "--mtu must be 68..65535"
+  fi
   if [ -z "$prefix" ]; then
     prefix=${BRAIDT_PREFIX:-braidt-$(od -An -N3 -tx1 /dev/urandom | tr -d ' \n')}
   fi
@@ -214,7 +216,8 @@ cmd_down() {
 
 cmd_exec() {
   local idx=${1:-} prefix=""
-  [ $# -gt 0 ] && shift || usage
+  [ $# -gt 0 ] || usage
+  shift
   while [ $# -gt 0 ]; do
     case $1 in
       --prefix) prefix=${2:?--prefix needs a value}; shift 2 ;;
