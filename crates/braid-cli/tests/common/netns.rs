@@ -1,0 +1,225 @@
+//! Several hosts on one machine, as network namespaces joined by a switch (`tests/netns/hosts.sh`).
+//!
+//! Host `i` is the namespace `<prefix>-h<i>` with `eth0` at 198.18.0.(1+i)/15; [`Hosts::command`] runs a
+//! program there. Dropping [`Hosts`] removes every namespace it made, also when a test panics.
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// The script that makes and removes the hosts.
+pub fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/netns/hosts.sh")
+}
+
+/// How to build the hosts' links.
+#[derive(Clone, Debug)]
+pub struct Opts {
+    /// MTU of every link.
+    pub mtu: u32,
+    /// Egress rate of every host (a tc rate such as `1gbit`); unlimited when `None`.
+    pub rate: Option<String>,
+    /// Added egress delay of every host (a tc time such as `1ms`); none when `None`.
+    pub delay: Option<String>,
+    /// Namespace names start with this; a fresh `braidt-<pid>-<k>` when `None`.
+    pub prefix: Option<String>,
+}
+
+impl Default for Opts {
+    fn default() -> Opts {
+        Opts {
+            mtu: 1500,
+            rate: None,
+            delay: None,
+            prefix: None,
+        }
+    }
+}
+
+/// A prefix no other process and no other [`Hosts`] of this process uses.
+pub fn unique_prefix() -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "braidt-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn failure(what: &str, o: &Output) -> String {
+    let err = String::from_utf8_lossy(&o.stderr);
+    format!("{what}: {} ({})", err.trim(), o.status)
+}
+
+/// Runs `ip args...`; Err says why it could not run or what it printed.
+fn ip(args: &[&str]) -> Result<Output, String> {
+    let o = Command::new("ip")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run `ip` ({e}); install iproute2"))?;
+    if o.status.success() {
+        Ok(o)
+    } else {
+        Err(failure(&format!("`ip {}`", args.join(" ")), &o))
+    }
+}
+
+/// Whether namespaces joined by veth pairs and a bridge can be made here: makes a throwaway namespace
+/// with a veth pair and a bridge in it, then deletes it. Err says why not (no `ip`, not root, ...).
+pub fn available() -> Result<(), String> {
+    let ns = format!("{}-probe", unique_prefix());
+    ip(&["netns", "add", &ns]).map_err(|e| {
+        if euid() != Some(0) {
+            format!("{e}; network namespaces need root (or CAP_SYS_ADMIN)")
+        } else {
+            e
+        }
+    })?;
+    let r = ip(&[
+        "-n", &ns, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1",
+    ])
+    .and_then(|_| ip(&["-n", &ns, "link", "add", "probebr", "type", "bridge"]))
+    .map(|_| ());
+    let d = ip(&["netns", "delete", &ns]).map(|_| ());
+    r.and(d)
+}
+
+/// Whether a `tc` qdisc of this kind (`tbf`, `netem`) can be attached here: tries it on a veth in a
+/// throwaway namespace. Err says why not (the kernel may lack `sch_<kind>`).
+pub fn qdisc_available(kind: &str, params: &[&str]) -> Result<(), String> {
+    let ns = format!("{}-probe", unique_prefix());
+    ip(&["netns", "add", &ns])?;
+    let r = ip(&[
+        "-n", &ns, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1",
+    ])
+    .and_then(|_| {
+        let o = Command::new("ip")
+            .args([
+                "netns", "exec", &ns, "tc", "qdisc", "add", "dev", "probe0", "root", kind,
+            ])
+            .args(params)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run `tc` ({e}); install iproute2"))?;
+        if o.status.success() {
+            Ok(())
+        } else {
+            Err(failure(
+                &format!("`tc qdisc add ... {kind}` (the kernel may lack sch_{kind})"),
+                &o,
+            ))
+        }
+    });
+    let d = ip(&["netns", "delete", &ns]).map(|_| ());
+    r.and(d)
+}
+
+/// The effective user id, read from /proc so no `unsafe` is needed; None when it cannot be read.
+fn euid() -> Option<u32> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("Uid:"))?;
+    line.split_whitespace().nth(2)?.parse().ok()
+}
+
+/// Names of all network namespaces (`ip netns list`).
+pub fn namespaces() -> Result<Vec<String>, String> {
+    let o = ip(&["netns", "list"])?;
+    Ok(String::from_utf8_lossy(&o.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .map(str::to_owned)
+        .collect())
+}
+
+/// `n` hosts joined by one switch; removed on drop.
+#[derive(Debug)]
+pub struct Hosts {
+    prefix: String,
+    n: usize,
+    opts: Opts,
+}
+
+impl Hosts {
+    /// Brings up `n` hosts (1..=254). Err says why they could not be made, with the script's message.
+    pub fn up(n: usize, opts: Opts) -> Result<Hosts, String> {
+        let prefix = opts.prefix.clone().unwrap_or_else(unique_prefix);
+        let mut cmd = Command::new("bash");
+        cmd.arg(script())
+            .args(["up", &n.to_string(), "--prefix", &prefix])
+            .args(["--mtu", &opts.mtu.to_string()]);
+        if let Some(r) = &opts.rate {
+            cmd.args(["--rate", r]);
+        }
+        if let Some(d) = &opts.delay {
+            cmd.args(["--delay", d]);
+        }
+        let o = cmd
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", script().display()))?;
+        if !o.status.success() {
+            return Err(failure(&format!("hosts.sh up {n}"), &o));
+        }
+        Ok(Hosts { prefix, n, opts })
+    }
+
+    /// The prefix of every namespace these hosts use.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// How many hosts.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// The options they were made with.
+    pub fn opts(&self) -> &Opts {
+        &self.opts
+    }
+
+    /// The namespace of host `i`.
+    pub fn namespace(&self, i: usize) -> String {
+        assert!(i < self.n, "host {i} of {}", self.n);
+        format!("{}-h{i}", self.prefix)
+    }
+
+    /// The address of host `i`'s `eth0`: 198.18.0.(1+i).
+    pub fn addr(&self, i: usize) -> Ipv4Addr {
+        assert!(i < self.n, "host {i} of {}", self.n);
+        Ipv4Addr::new(198, 18, 0, 1 + i as u8)
+    }
+
+    /// A command that runs `program` inside host `i` (`ip netns exec`; the program replaces `ip`, so the
+    /// child's pid is the program's). Add arguments, environment and stdio as for any command.
+    pub fn command(&self, i: usize, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.namespace(i)]).arg(program);
+        cmd
+    }
+
+    /// Removes the hosts now; Err with the script's message if that failed.
+    fn down(&self) -> Result<(), String> {
+        let o = Command::new("bash")
+            .arg(script())
+            .args(["down", "--prefix", &self.prefix])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("cannot run {}: {e}", script().display()))?;
+        if o.status.success() {
+            Ok(())
+        } else {
+            Err(failure("hosts.sh down", &o))
+        }
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        if let Err(e) = self.down() {
+            eprintln!("removing hosts {}: {e}", self.prefix);
+        }
+    }
+}
