@@ -133,6 +133,50 @@ pub fn namespaces() -> Result<Vec<String>, String> {
         .collect())
 }
 
+/// Removes the hosts of test runs that ended without dropping theirs (killed by a signal, say): every
+/// `braidt-<pid>-<k>` set (or probe namespace) whose process no longer exists. Returns the switch and
+/// probe namespaces removed.
+pub fn reap_orphans() -> Result<Vec<String>, String> {
+    let mut gone = Vec::new();
+    for ns in namespaces()? {
+        let (prefix, probe) = match (ns.strip_suffix("-sw"), ns.strip_suffix("-probe")) {
+            (Some(p), _) => (p, false),
+            (_, Some(p)) => (p, true),
+            _ => continue,
+        };
+        let mut parts = prefix.splitn(3, '-');
+        let (Some("braidt"), Some(pid), Some(_)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        if pid.parse::<u32>().is_err() || std::path::Path::new("/proc").join(pid).exists() {
+            continue;
+        }
+        if probe {
+            ip(&["netns", "delete", &ns])?;
+        } else {
+            down(prefix)?;
+        }
+        gone.push(ns.clone());
+    }
+    Ok(gone)
+}
+
+/// `hosts.sh down --prefix prefix`; Err with the script's message if that failed.
+fn down(prefix: &str) -> Result<(), String> {
+    let o = Command::new("bash")
+        .arg(script())
+        .args(["down", "--prefix", prefix])
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", script().display()))?;
+    if o.status.success() {
+        Ok(())
+    } else {
+        Err(failure("hosts.sh down", &o))
+    }
+}
+
 /// `n` hosts joined by one switch; removed on drop.
 #[derive(Debug)]
 pub struct Hosts {
@@ -199,26 +243,11 @@ impl Hosts {
         cmd.args(["netns", "exec", &self.namespace(i)]).arg(program);
         cmd
     }
-
-    /// Removes the hosts now; Err with the script's message if that failed.
-    fn down(&self) -> Result<(), String> {
-        let o = Command::new("bash")
-            .arg(script())
-            .args(["down", "--prefix", &self.prefix])
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| format!("cannot run {}: {e}", script().display()))?;
-        if o.status.success() {
-            Ok(())
-        } else {
-            Err(failure("hosts.sh down", &o))
-        }
-    }
 }
 
 impl Drop for Hosts {
     fn drop(&mut self) {
-        if let Err(e) = self.down() {
+        if let Err(e) = down(&self.prefix) {
             eprintln!("removing hosts {}: {e}", self.prefix);
         }
     }
