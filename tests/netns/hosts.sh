@@ -88,7 +88,8 @@ remove_prefix() {
 rate_bytes() {
   local r=${1,,} n unit
   [[ "$r" =~ ^([0-9]+)(bit|kbit|mbit|gbit)$ ]] || die "rate '$1': write it as <integer>bit|kbit|mbit|gbit"
-  n=${BASH_REMATCH[1]}
+  n=$((10#${BASH_REMATCH[1]}))
+  [ "$n" -gt 0 ] || die "rate '$1': must be more than 0"
   unit=${BASH_REMATCH[2]}
   case $unit in
     bit) echo $((n / 8)) ;;

@@ -94,7 +94,9 @@ fn role_listen() {
 /// Connects to `BRAID_NETNS_TARGET`, greets, and reports the answer and its own address.
 fn role_connect() {
     let target: SocketAddr = env("BRAID_NETNS_TARGET").parse().unwrap();
+    let t = Instant::now();
     let s = TcpStream::connect_timeout(&target, Duration::from_secs(5)).unwrap();
+    say("connect_secs", t.elapsed().as_secs_f64());
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     say("local", s.local_addr().unwrap().ip());
     writeln!(&s, "greetings").unwrap();
@@ -520,6 +522,55 @@ fn test_throttled_link() -> Result<(), String> {
     Ok(())
 }
 
+/// `--delay` puts a netem qdisc on every host, so a TCP handshake takes at least two delays; on a
+/// kernel without netem, `up` fails and leaves nothing behind (it fails after the namespaces, the bridge
+/// and the links were made).
+fn test_delay_or_clean_failure() {
+    let prefix = netns::unique_prefix();
+    let up = Hosts::up(
+        2,
+        Opts {
+            delay: Some("20ms".into()),
+            prefix: Some(prefix.clone()),
+            ..Opts::default()
+        },
+    );
+    let hosts = match up {
+        Ok(h) => h,
+        Err(e) => {
+            assert!(e.contains("netem"), "up failed for another reason: {e}");
+            assert_eq!(ours(&prefix), Vec::<String>::new(), "left by a failed up");
+            println!("    no netem here; the failed up removed what it made: {e}");
+            return;
+        }
+    };
+    for i in 0..2 {
+        let q = output(Some((&hosts, i)), "tc", &["qdisc", "show", "dev", "eth0"]);
+        assert!(
+            q.contains("netem") && q.contains("delay 20ms"),
+            "host {i}'s qdisc: {q}"
+        );
+    }
+    let mut listener = Proc::start(
+        &hosts,
+        1,
+        "listen",
+        &[("BRAID_NETNS_BIND", format!("{}:0", hosts.addr(1)))],
+    );
+    let port = listener.port();
+    let c = Proc::start(
+        &hosts,
+        0,
+        "connect",
+        &[("BRAID_NETNS_TARGET", format!("{}:{port}", hosts.addr(1)))],
+    )
+    .success(Duration::from_secs(20));
+    listener.success(Duration::from_secs(10));
+    let secs: f64 = c.get("connect_secs").parse().unwrap();
+    println!("    handshake with 20 ms each way: {:.1} ms", secs * 1e3);
+    assert!(secs >= 0.039, "a handshake took {:.1} ms", secs * 1e3);
+}
+
 fn ours(prefix: &str) -> Vec<String> {
     netns::namespaces()
         .unwrap()
@@ -579,7 +630,7 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let tests: [(&str, Case); 3] = [
+    let tests: [(&str, Case); 4] = [
         (
             "three hosts talk over TCP, apart from this namespace",
             || {
@@ -590,6 +641,13 @@ fn main() {
         (
             "links shaped by tbf carry about their rate (1gbit, 100mbit)",
             test_throttled_link,
+        ),
+        (
+            "--delay adds latency, or a failed up leaves nothing",
+            || {
+                test_delay_or_clean_failure();
+                Ok(())
+            },
         ),
         ("hosts vanish when dropped, also on panic", || {
             test_teardown();
