@@ -328,23 +328,8 @@ fn output(hosts: Option<(&Hosts, usize)>, program: &str, args: &[&str]) -> Strin
         Some((h, i)) => h.command(i, program),
         None => Command::new(program),
     };
-    let mut child = cmd
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("{program}: {e}"));
-    let t = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if t.elapsed() > Duration::from_secs(10) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{program} {args:?}: still running after 10 s");
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let o = child.wait_with_output().unwrap();
+    let o =
+        netns::bounded(cmd.args(args), Duration::from_secs(10)).unwrap_or_else(|e| panic!("{e}"));
     assert!(
         o.status.success(),
         "{program} {args:?}: {}",

@@ -1,12 +1,15 @@
 //! Several hosts on one machine, as network namespaces joined by a switch (`tests/netns/hosts.sh`).
 //!
 //! Host `i` is the namespace `<prefix>-h<i>` with `eth0` at 198.18.0.(1+i)/15; [`Hosts::command`] runs a
-//! program there. Dropping [`Hosts`] removes every namespace it made, also when a test panics.
+//! program there. Dropping [`Hosts`] removes every namespace it made, also when a test panics; a run
+//! killed outright leaves its hosts to [`reap_orphans`] in the next run.
 
+use std::io::Read;
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 /// The script that makes and removes the hosts.
 pub fn script() -> PathBuf {
@@ -47,6 +50,51 @@ pub fn unique_prefix() -> String {
     )
 }
 
+/// How long one `ip`, `tc` or script call may take before it is killed.
+const CALL_LIMIT: Duration = Duration::from_secs(30);
+
+/// Runs `cmd` to the end with stdin closed, killing it past `limit`. Err says why it could not start
+/// or that it was killed (with what it printed); a non-zero exit is not an error here.
+pub fn bounded(cmd: &mut Command, limit: Duration) -> Result<Output, String> {
+    let what = format!("{cmd:?}");
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run {what}: {e}"))?;
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut b = Vec::new();
+            let _ = r.read_to_end(&mut b);
+            b
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
+    let start = Instant::now();
+    let (status, killed) = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break (s, false),
+            Ok(None) if start.elapsed() > limit => {
+                let _ = child.kill();
+                break (child.wait().map_err(|e| format!("{what}: {e}"))?, true);
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(5)),
+            Err(e) => return Err(format!("{what}: {e}")),
+        }
+    };
+    let o = Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    };
+    if killed {
+        return Err(failure(&format!("{what} killed after {limit:?}"), &o));
+    }
+    Ok(o)
+}
+
 fn failure(what: &str, o: &Output) -> String {
     let err = String::from_utf8_lossy(&o.stderr);
     format!("{what}: {} ({})", err.trim(), o.status)
@@ -54,11 +102,13 @@ fn failure(what: &str, o: &Output) -> String {
 
 /// Runs `ip args...`; Err says why it could not run or what it printed.
 fn ip(args: &[&str]) -> Result<Output, String> {
-    let o = Command::new("ip")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run `ip` ({e}); install iproute2"))?;
+    let o = bounded(Command::new("ip").args(args), CALL_LIMIT).map_err(|e| {
+        if e.starts_with("cannot run") {
+            format!("{e}; install iproute2")
+        } else {
+            e
+        }
+    })?;
     if o.status.success() {
         Ok(o)
     } else {
@@ -95,14 +145,14 @@ pub fn qdisc_available(kind: &str, params: &[&str]) -> Result<(), String> {
         "-n", &ns, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1",
     ])
     .and_then(|_| {
-        let o = Command::new("ip")
-            .args([
-                "netns", "exec", &ns, "tc", "qdisc", "add", "dev", "probe0", "root", kind,
-            ])
-            .args(params)
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| format!("cannot run `tc` ({e}); install iproute2"))?;
+        let o = bounded(
+            Command::new("ip")
+                .args([
+                    "netns", "exec", &ns, "tc", "qdisc", "add", "dev", "probe0", "root", kind,
+                ])
+                .args(params),
+            CALL_LIMIT,
+        )?;
         if o.status.success() {
             Ok(())
         } else {
@@ -164,12 +214,12 @@ pub fn reap_orphans() -> Result<Vec<String>, String> {
 
 /// `hosts.sh down --prefix prefix`; Err with the script's message if that failed.
 fn down(prefix: &str) -> Result<(), String> {
-    let o = Command::new("bash")
-        .arg(script())
-        .args(["down", "--prefix", prefix])
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| format!("cannot run {}: {e}", script().display()))?;
+    let o = bounded(
+        Command::new("bash")
+            .arg(script())
+            .args(["down", "--prefix", prefix]),
+        CALL_LIMIT,
+    )?;
     if o.status.success() {
         Ok(())
     } else {
@@ -199,10 +249,7 @@ impl Hosts {
         if let Some(d) = &opts.delay {
             cmd.args(["--delay", d]);
         }
-        let o = cmd
-            .stdin(Stdio::null())
-            .output()
-            .map_err(|e| format!("cannot run {}: {e}", script().display()))?;
+        let o = bounded(&mut cmd, CALL_LIMIT)?;
         if !o.status.success() {
             return Err(failure(&format!("hosts.sh up {n}"), &o));
         }
