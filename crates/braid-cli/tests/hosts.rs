@@ -88,6 +88,10 @@ fn role_listen() {
             Err(e) => panic!("accept: {e}"),
         }
     }
+    // Connections that arrived after the last poll are reported too.
+    while let Ok((_, peer)) = l.accept() {
+        say("peer", peer.ip());
+    }
     say("done", "");
 }
 
