@@ -2,6 +2,8 @@
 //! /dev/shm.
 #![allow(dead_code)]
 
+pub mod netns;
+
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Command, Output};
