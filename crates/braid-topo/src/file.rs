@@ -92,6 +92,12 @@ impl Topology {
             None => {}
         }
         let file: FileTopology = serde_json::from_str(text).map_err(parse_error)?;
+        // Names must be unique before ranks can be resolved by name.
+        for (second, host) in file.hosts.iter().enumerate() {
+            if let Some(first) = file.hosts[..second].iter().position(|h| h.name == host.name) {
+                return Err(Error::DuplicateHost { name: host.name.clone(), first, second });
+            }
+        }
         let mut placed: Vec<(usize, RankPlace)> = Vec::with_capacity(file.ranks.len());
         for (i, entry) in file.ranks.into_iter().enumerate() {
             let host = match entry.host {
