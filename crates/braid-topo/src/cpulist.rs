@@ -25,7 +25,9 @@ pub fn parse_cpulist(text: &str) -> Result<Vec<u32>, String> {
             return Err(format!("range {part:?} in {text:?} runs backwards"));
         }
         if hi > MAX_CPU {
-            return Err(format!("cpu {hi} in {text:?} is above the limit of {MAX_CPU}"));
+            return Err(format!(
+                "cpu {hi} in {text:?} is above the limit of {MAX_CPU}"
+            ));
         }
         cpus.extend(lo..=hi);
     }
@@ -36,7 +38,8 @@ pub fn parse_cpulist(text: &str) -> Result<Vec<u32>, String> {
 
 fn number(s: &str, whole: &str) -> Result<u32, String> {
     let s = s.trim();
-    s.parse::<u32>().map_err(|_| format!("{s:?} in {whole:?} is not a cpu number"))
+    s.parse::<u32>()
+        .map_err(|_| format!("{s:?} in {whole:?} is not a cpu number"))
 }
 
 /// Writes ascending numbers in list syntax, runs folded into ranges: `[0, 1, 2, 5]` → `0-2,5`.
@@ -92,7 +95,10 @@ mod tests {
 
     #[test]
     fn parses_ranges_and_singles() {
-        assert_eq!(parse_cpulist("0-3,8,10-11\n").unwrap(), vec![0, 1, 2, 3, 8, 10, 11]);
+        assert_eq!(
+            parse_cpulist("0-3,8,10-11\n").unwrap(),
+            vec![0, 1, 2, 3, 8, 10, 11]
+        );
         assert_eq!(parse_cpulist(" \n").unwrap(), Vec::<u32>::new());
         assert_eq!(parse_cpulist("5,1-2,2").unwrap(), vec![1, 2, 5]);
     }

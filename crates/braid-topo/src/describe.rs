@@ -16,9 +16,18 @@ impl fmt::Display for Topology {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let groups = self.host_groups();
         let per_host = if self.is_uniform() {
-            groups.first().map_or(String::new(), |g| format!(", {} per host", g.len()))
+            groups
+                .first()
+                .map_or(String::new(), |g| format!(", {} per host", g.len()))
         } else {
-            format!(", {} per host", groups.iter().map(|g| g.len().to_string()).collect::<Vec<_>>().join("/"))
+            format!(
+                ", {} per host",
+                groups
+                    .iter()
+                    .map(|g| g.len().to_string())
+                    .collect::<Vec<_>>()
+                    .join("/")
+            )
         };
         writeln!(
             f,
@@ -30,13 +39,19 @@ impl fmt::Display for Topology {
             plural(self.ranks.len()),
         )?;
         for (h, host) in self.hosts.iter().enumerate() {
-            let ranks = groups.get(h).map_or(String::new(), |g| format_ranges(g.iter().map(|&r| r as u64)));
+            let ranks = groups.get(h).map_or(String::new(), |g| {
+                format_ranges(g.iter().map(|&r| r as u64))
+            });
             writeln!(f, "host {h} {}: ranks {ranks}", host.name)?;
             for node in &host.numa {
                 let cpus = if node.cpus.is_empty() {
                     "unknown".to_owned()
                 } else {
-                    format!("{} ({})", format_ranges(node.cpus.iter().map(|&c| u64::from(c))), node.cpus.len())
+                    format!(
+                        "{} ({})",
+                        format_ranges(node.cpus.iter().map(|&c| u64::from(c))),
+                        node.cpus.len()
+                    )
                 };
                 writeln!(f, "  numa {}: cpus {cpus}", node.id)?;
             }
@@ -56,7 +71,11 @@ impl fmt::Display for Topology {
                     .filter(|&r| self.ranks[r].gpu == Some(g))
                     .collect();
                 if !users.is_empty() {
-                    let _ = write!(line, ", rank {}", format_ranges(users.iter().map(|&r| r as u64)));
+                    let _ = write!(
+                        line,
+                        ", rank {}",
+                        format_ranges(users.iter().map(|&r| r as u64))
+                    );
                 }
                 writeln!(f, "{line}")?;
             }

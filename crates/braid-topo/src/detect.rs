@@ -44,9 +44,13 @@ fn read_trimmed(path: &Path) -> Option<String> {
 
 /// Directory entries, sorted by name; an unreadable directory has none.
 fn entries(dir: &Path) -> Vec<(String, PathBuf)> {
-    let Ok(rd) = fs::read_dir(dir) else { return Vec::new() };
-    let mut out: Vec<(String, PathBuf)> =
-        rd.filter_map(|e| e.ok()).filter_map(|e| Some((e.file_name().into_string().ok()?, e.path()))).collect();
+    let Ok(rd) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<(String, PathBuf)> = rd
+        .filter_map(|e| e.ok())
+        .filter_map(|e| Some((e.file_name().into_string().ok()?, e.path())))
+        .collect();
     out.sort();
     out
 }
@@ -69,14 +73,16 @@ fn numa_nodes(root: &Path) -> Vec<NumaNode> {
         .into_iter()
         .filter_map(|(name, path)| {
             let id = name.strip_prefix("node")?.parse::<u32>().ok()?;
-            let cpus = read_trimmed(&path.join("cpulist")).and_then(|t| parse_cpulist(&t).ok()).unwrap_or_default();
+            let cpus = read_trimmed(&path.join("cpulist"))
+                .and_then(|t| parse_cpulist(&t).ok())
+                .unwrap_or_default();
             Some(NumaNode { id, cpus })
         })
         .collect();
     nodes.sort_by_key(|n| n.id);
     if nodes.is_empty() {
-        if let Some(cpus) =
-            read_trimmed(&root.join("sys/devices/system/cpu/online")).and_then(|t| parse_cpulist(&t).ok())
+        if let Some(cpus) = read_trimmed(&root.join("sys/devices/system/cpu/online"))
+            .and_then(|t| parse_cpulist(&t).ok())
         {
             if !cpus.is_empty() {
                 nodes.push(NumaNode { id: 0, cpus });
@@ -92,7 +98,9 @@ fn nics(root: &Path) -> Vec<Nic> {
         .filter(|(name, _)| name != "lo")
         .map(|(name, path)| Nic {
             // A down link reads as -1 or fails with EINVAL; both mean unknown.
-            speed_mbps: read_trimmed(&path.join("speed")).and_then(|s| s.parse::<u64>().ok()).filter(|&s| s > 0),
+            speed_mbps: read_trimmed(&path.join("speed"))
+                .and_then(|s| s.parse::<u64>().ok())
+                .filter(|&s| s > 0),
             numa_node: numa_node(&path.join("device/numa_node")),
             up: read_trimmed(&path.join("operstate")).and_then(|s| match s.as_str() {
                 "up" => Some(true),
@@ -108,7 +116,10 @@ fn nics(root: &Path) -> Vec<Nic> {
 
 fn hex(path: &Path) -> Option<u32> {
     let text = read_trimmed(path)?;
-    let digits = text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")).unwrap_or(&text);
+    let digits = text
+        .strip_prefix("0x")
+        .or_else(|| text.strip_prefix("0X"))
+        .unwrap_or(&text);
     u32::from_str_radix(digits, 16).ok()
 }
 
@@ -117,8 +128,15 @@ fn gpus(root: &Path) -> Vec<Gpu> {
         .into_iter()
         .filter(|(_, path)| {
             hex(&path.join("vendor")) == Some(NVIDIA_VENDOR)
-                && matches!(hex(&path.join("class")).map(|c| c >> 8), Some(0x0300 | 0x0302))
+                && matches!(
+                    hex(&path.join("class")).map(|c| c >> 8),
+                    Some(0x0300 | 0x0302)
+                )
         })
-        .map(|(name, path)| Gpu { numa_node: numa_node(&path.join("numa_node")), name: None, pci_bus_id: name })
+        .map(|(name, path)| Gpu {
+            numa_node: numa_node(&path.join("numa_node")),
+            name: None,
+            pci_bus_id: name,
+        })
         .collect()
 }

@@ -33,7 +33,9 @@ pub enum Error {
         message: String,
     },
     /// The file's `version` is not one this build reads.
-    #[error("topology file version {found} is not supported (this build reads version {supported})")]
+    #[error(
+        "topology file version {found} is not supported (this build reads version {supported})"
+    )]
     UnsupportedVersion {
         /// The version in the file.
         found: u64,
@@ -51,7 +53,10 @@ pub enum Error {
         second: usize,
     },
     /// Some ranks of the world have no place.
-    #[error("world of {world_size} ranks: no place given for rank(s) {}", list(missing))]
+    #[error(
+        "world of {world_size} ranks: no place given for rank(s) {}",
+        list(missing)
+    )]
     MissingRanks {
         /// The number of ranks the topology must describe.
         world_size: usize,
@@ -117,7 +122,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
     pub(crate) fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
-        Error::Invalid { field: field.into(), reason: reason.into() }
+        Error::Invalid {
+            field: field.into(),
+            reason: reason.into(),
+        }
     }
 }
 

@@ -83,42 +83,90 @@ impl Topology {
         match value.get("version") {
             Some(v) => match v.as_u64() {
                 Some(FORMAT_VERSION) => {}
-                Some(found) => return Err(Error::UnsupportedVersion { found, supported: FORMAT_VERSION }),
-                None => return Err(Error::invalid("version", format!("{v} is not a version number"))),
+                Some(found) => {
+                    return Err(Error::UnsupportedVersion {
+                        found,
+                        supported: FORMAT_VERSION,
+                    })
+                }
+                None => {
+                    return Err(Error::invalid(
+                        "version",
+                        format!("{v} is not a version number"),
+                    ))
+                }
             },
             None if value.is_object() => {
-                return Err(Error::invalid("version", format!("missing; this build reads version {FORMAT_VERSION}")))
+                return Err(Error::invalid(
+                    "version",
+                    format!("missing; this build reads version {FORMAT_VERSION}"),
+                ))
             }
             None => {}
         }
         let file: FileTopology = serde_json::from_str(text).map_err(parse_error)?;
         // Names must be unique before ranks can be resolved by name.
         for (second, host) in file.hosts.iter().enumerate() {
-            if let Some(first) = file.hosts[..second].iter().position(|h| h.name == host.name) {
-                return Err(Error::DuplicateHost { name: host.name.clone(), first, second });
+            if let Some(first) = file.hosts[..second]
+                .iter()
+                .position(|h| h.name == host.name)
+            {
+                return Err(Error::DuplicateHost {
+                    name: host.name.clone(),
+                    first,
+                    second,
+                });
             }
         }
         let mut placed: Vec<(usize, RankPlace)> = Vec::with_capacity(file.ranks.len());
         for (i, entry) in file.ranks.into_iter().enumerate() {
             let host = match entry.host {
-                HostRef::Index(h) => usize::try_from(h).ok().filter(|&h| h < file.hosts.len()).ok_or_else(|| {
-                    Error::UnknownHost { rank: entry.rank, host: h.to_string(), hosts: file.hosts.len() }
-                })?,
-                HostRef::Name(name) => file.hosts.iter().position(|h| h.name == name).ok_or_else(|| {
-                    Error::UnknownHost { rank: entry.rank, host: format!("{name:?}"), hosts: file.hosts.len() }
-                })?,
+                HostRef::Index(h) => usize::try_from(h)
+                    .ok()
+                    .filter(|&h| h < file.hosts.len())
+                    .ok_or_else(|| Error::UnknownHost {
+                        rank: entry.rank,
+                        host: h.to_string(),
+                        hosts: file.hosts.len(),
+                    })?,
+                HostRef::Name(name) => {
+                    file.hosts
+                        .iter()
+                        .position(|h| h.name == name)
+                        .ok_or_else(|| Error::UnknownHost {
+                            rank: entry.rank,
+                            host: format!("{name:?}"),
+                            hosts: file.hosts.len(),
+                        })?
+                }
             };
-            placed.push((i, RankPlace { rank: entry.rank, host, numa: entry.numa, gpu: entry.gpu }));
+            placed.push((
+                i,
+                RankPlace {
+                    rank: entry.rank,
+                    host,
+                    numa: entry.numa,
+                    gpu: entry.gpu,
+                },
+            ));
         }
         placed.sort_by_key(|(i, p)| (p.rank, *i));
         if let Some(w) = placed.windows(2).find(|w| w[0].1.rank == w[1].1.rank) {
-            return Err(Error::DuplicateRank { rank: w[0].1.rank, first: w[0].0, second: w[1].0 });
+            return Err(Error::DuplicateRank {
+                rank: w[0].1.rank,
+                first: w[0].0,
+                second: w[1].0,
+            });
         }
         let world_size = placed.last().map_or(0, |(_, p)| p.rank + 1);
         if placed.len() < world_size {
-            let present: std::collections::BTreeSet<usize> = placed.iter().map(|(_, p)| p.rank).collect();
+            let present: std::collections::BTreeSet<usize> =
+                placed.iter().map(|(_, p)| p.rank).collect();
             let missing = (0..world_size).filter(|r| !present.contains(r)).collect();
-            return Err(Error::MissingRanks { world_size, missing });
+            return Err(Error::MissingRanks {
+                world_size,
+                missing,
+            });
         }
         let topology = Topology {
             hosts: file.hosts,
@@ -157,7 +205,10 @@ impl Topology {
     /// Reads and checks a topology file.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Read { path: path.to_owned(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
+            path: path.to_owned(),
+            source,
+        })?;
         Self::from_json(&text)
     }
 
@@ -165,7 +216,10 @@ impl Topology {
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let text = self.to_json()?;
-        std::fs::write(path, text).map_err(|source| Error::Write { path: path.to_owned(), source })
+        std::fs::write(path, text).map_err(|source| Error::Write {
+            path: path.to_owned(),
+            source,
+        })
     }
 
     /// The topology named by `BRAID_TOPO_FILE`, if the variable is set and not empty, checked against
@@ -176,7 +230,10 @@ impl Topology {
             Some(p) if p.is_empty() => return Ok(None),
             Some(p) => std::path::PathBuf::from(p),
         };
-        let wrap = |e: Error| Error::Env { var: TOPO_FILE_ENV, reason: e.to_string() };
+        let wrap = |e: Error| Error::Env {
+            var: TOPO_FILE_ENV,
+            reason: e.to_string(),
+        };
         let topology = Self::load(&path).map_err(wrap)?;
         if let Some(n) = world_size {
             topology.check_world_size(n).map_err(|e| Error::Env {
@@ -194,5 +251,9 @@ fn parse_error(e: serde_json::Error) -> Error {
     if let Some(at) = message.rfind(" at line ") {
         message.truncate(at);
     }
-    Error::Parse { line: e.line(), column: e.column(), message }
+    Error::Parse {
+        line: e.line(),
+        column: e.column(),
+        message,
+    }
 }

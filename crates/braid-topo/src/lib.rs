@@ -92,5 +92,7 @@ pub use cpulist::{format_ranges, parse_cpulist, MAX_CPU};
 pub use detect::{detect_host, detect_local, NVIDIA_VENDOR};
 pub use error::{Error, Result};
 pub use file::{FORMAT_VERSION, TOPO_FILE_ENV};
-pub use model::{ring_order, Gpu, Host, Link, LinkClass, Nic, NumaNode, RankPlace, Source, Topology};
+pub use model::{
+    ring_order, Gpu, Host, Link, LinkClass, Nic, NumaNode, RankPlace, Source, Topology,
+};
 pub use probe::{infer_hosts, Inference, ProbeOptions, DEFAULT_GAP_FACTOR};

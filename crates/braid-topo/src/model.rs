@@ -102,7 +102,12 @@ pub struct Host {
 impl Host {
     /// A host with a name and nothing else known.
     pub fn named(name: impl Into<String>) -> Self {
-        Host { name: name.into(), numa: Vec::new(), gpus: Vec::new(), nics: Vec::new() }
+        Host {
+            name: name.into(),
+            numa: Vec::new(),
+            gpus: Vec::new(),
+            nics: Vec::new(),
+        }
     }
 }
 
@@ -187,8 +192,20 @@ pub struct Topology {
 impl Topology {
     /// One host running `world_size` ranks (ranks unbound to NUMA nodes or GPUs).
     pub fn single_host(host: Host, world_size: usize, source: Source) -> Result<Self> {
-        let ranks = (0..world_size).map(|rank| RankPlace { rank, host: 0, numa: None, gpu: None }).collect();
-        let t = Topology { hosts: vec![host], ranks, links: Vec::new(), source };
+        let ranks = (0..world_size)
+            .map(|rank| RankPlace {
+                rank,
+                host: 0,
+                numa: None,
+                gpu: None,
+            })
+            .collect();
+        let t = Topology {
+            hosts: vec![host],
+            ranks,
+            links: Vec::new(),
+            source,
+        };
         t.validate()?;
         Ok(t)
     }
@@ -197,7 +214,10 @@ impl Topology {
     /// identities share a host. Hosts are named by their identity and numbered by first appearance.
     pub fn from_identities<S: AsRef<str>>(identities: &[S]) -> Result<Self> {
         if identities.is_empty() {
-            return Err(Error::invalid("identities", "no ranks reported an identity"));
+            return Err(Error::invalid(
+                "identities",
+                "no ranks reported an identity",
+            ));
         }
         let mut index: HashMap<&str, usize> = HashMap::new();
         let mut hosts = Vec::new();
@@ -205,15 +225,28 @@ impl Topology {
         for (rank, id) in identities.iter().enumerate() {
             let id = id.as_ref();
             if id.trim().is_empty() {
-                return Err(Error::invalid(format!("identities[{rank}]"), "rank reported an empty identity"));
+                return Err(Error::invalid(
+                    format!("identities[{rank}]"),
+                    "rank reported an empty identity",
+                ));
             }
             let host = *index.entry(id).or_insert_with(|| {
                 hosts.push(Host::named(id));
                 hosts.len() - 1
             });
-            ranks.push(RankPlace { rank, host, numa: None, gpu: None });
+            ranks.push(RankPlace {
+                rank,
+                host,
+                numa: None,
+                gpu: None,
+            });
         }
-        Ok(Topology { hosts, ranks, links: Vec::new(), source: Source::Detected })
+        Ok(Topology {
+            hosts,
+            ranks,
+            links: Vec::new(),
+            source: Source::Detected,
+        })
     }
 
     /// A topology from explicit groups of ranks (one group per host, hosts named `host0`, `host1`, ...).
@@ -227,7 +260,12 @@ impl Topology {
             }
             for &r in group {
                 match host_of.get_mut(r) {
-                    None => return Err(Error::RankOutOfRange { rank: r, world_size: n }),
+                    None => {
+                        return Err(Error::RankOutOfRange {
+                            rank: r,
+                            world_size: n,
+                        })
+                    }
                     Some(Some(prev)) => {
                         return Err(Error::invalid(
                             format!("groups[{h}]"),
@@ -241,10 +279,22 @@ impl Topology {
         let ranks = host_of
             .into_iter()
             .enumerate()
-            .map(|(rank, h)| RankPlace { rank, host: h.unwrap_or(0), numa: None, gpu: None })
+            .map(|(rank, h)| RankPlace {
+                rank,
+                host: h.unwrap_or(0),
+                numa: None,
+                gpu: None,
+            })
             .collect();
-        let hosts = (0..groups.len()).map(|h| Host::named(format!("host{h}"))).collect();
-        let t = Topology { hosts, ranks, links: Vec::new(), source };
+        let hosts = (0..groups.len())
+            .map(|h| Host::named(format!("host{h}")))
+            .collect();
+        let t = Topology {
+            hosts,
+            ranks,
+            links: Vec::new(),
+            source,
+        };
         t.validate()?;
         Ok(t)
     }
@@ -257,10 +307,17 @@ impl Topology {
         let mut names: HashMap<&str, usize> = HashMap::new();
         for (h, host) in self.hosts.iter().enumerate() {
             if host.name.trim().is_empty() {
-                return Err(Error::invalid(format!("hosts[{h}].name"), "host name is empty"));
+                return Err(Error::invalid(
+                    format!("hosts[{h}].name"),
+                    "host name is empty",
+                ));
             }
             if let Some(&first) = names.get(host.name.as_str()) {
-                return Err(Error::DuplicateHost { name: host.name.clone(), first, second: h });
+                return Err(Error::DuplicateHost {
+                    name: host.name.clone(),
+                    first,
+                    second: h,
+                });
             }
             names.insert(&host.name, h);
             validate_host(h, host)?;
@@ -269,8 +326,19 @@ impl Topology {
         let mut seen: Vec<Option<usize>> = vec![None; world_size];
         for (i, place) in self.ranks.iter().enumerate() {
             match seen.get_mut(place.rank) {
-                None => return Err(Error::RankOutOfRange { rank: place.rank, world_size }),
-                Some(Some(first)) => return Err(Error::DuplicateRank { rank: place.rank, first: *first, second: i }),
+                None => {
+                    return Err(Error::RankOutOfRange {
+                        rank: place.rank,
+                        world_size,
+                    })
+                }
+                Some(Some(first)) => {
+                    return Err(Error::DuplicateRank {
+                        rank: place.rank,
+                        first: *first,
+                        second: i,
+                    })
+                }
                 Some(slot) => *slot = Some(i),
             }
         }
@@ -278,21 +346,31 @@ impl Topology {
         if let Some(i) = (0..world_size).find(|&i| self.ranks[i].rank != i) {
             return Err(Error::invalid(
                 format!("ranks[{i}]"),
-                format!("holds rank {}; ranks must be in rank order", self.ranks[i].rank),
+                format!(
+                    "holds rank {}; ranks must be in rank order",
+                    self.ranks[i].rank
+                ),
             ));
         }
         let mut used = vec![false; self.hosts.len()];
         for place in &self.ranks {
             let r = place.rank;
             let Some(host) = self.hosts.get(place.host) else {
-                return Err(Error::UnknownHost { rank: r, host: place.host.to_string(), hosts: self.hosts.len() });
+                return Err(Error::UnknownHost {
+                    rank: r,
+                    host: place.host.to_string(),
+                    hosts: self.hosts.len(),
+                });
             };
             used[place.host] = true;
             if let Some(numa) = place.numa {
                 if !host.numa.is_empty() && !host.numa.iter().any(|n| n.id == numa) {
                     return Err(Error::invalid(
                         format!("ranks[{r}].numa"),
-                        format!("rank {r} is bound to NUMA node {numa}, which host {:?} does not list", host.name),
+                        format!(
+                            "rank {r} is bound to NUMA node {numa}, which host {:?} does not list",
+                            host.name
+                        ),
                     ));
                 }
             }
@@ -300,13 +378,20 @@ impl Topology {
                 if gpu >= host.gpus.len() {
                     return Err(Error::invalid(
                         format!("ranks[{r}].gpu"),
-                        format!("rank {r} uses GPU {gpu}, but host {:?} lists {} GPU(s)", host.name, host.gpus.len()),
+                        format!(
+                            "rank {r} uses GPU {gpu}, but host {:?} lists {} GPU(s)",
+                            host.name,
+                            host.gpus.len()
+                        ),
                     ));
                 }
             }
         }
         if let Some(h) = used.iter().position(|u| !u) {
-            return Err(Error::invalid(format!("hosts[{h}]"), format!("host {:?} runs no rank", self.hosts[h].name)));
+            return Err(Error::invalid(
+                format!("hosts[{h}]"),
+                format!("host {:?} runs no rank", self.hosts[h].name),
+            ));
         }
         let mut pairs: HashMap<(usize, usize), usize> = HashMap::new();
         for (l, link) in self.links.iter().enumerate() {
@@ -320,7 +405,10 @@ impl Topology {
                 }
             }
             if a == b {
-                return Err(Error::invalid(format!("links[{l}].ranks"), format!("links rank {a} to itself")));
+                return Err(Error::invalid(
+                    format!("links[{l}].ranks"),
+                    format!("links rank {a} to itself"),
+                ));
             }
             if let Some(first) = pairs.insert((a.min(b), a.max(b)), l) {
                 return Err(Error::invalid(
@@ -331,7 +419,10 @@ impl Topology {
             if link.class.is_intra_host() && self.ranks[a].host != self.ranks[b].host {
                 return Err(Error::invalid(
                     format!("links[{l}].class"),
-                    format!("{} joins ranks of one host, but ranks {a} and {b} are on different hosts", link.class),
+                    format!(
+                        "{} joins ranks of one host, but ranks {a} and {b} are on different hosts",
+                        link.class
+                    ),
                 ));
             }
             if let Some(bw) = link.bandwidth {
@@ -358,10 +449,16 @@ impl Topology {
     pub fn check_world_size(&self, world_size: usize) -> Result<()> {
         let n = self.ranks.len();
         if n < world_size {
-            return Err(Error::MissingRanks { world_size, missing: (n..world_size).collect() });
+            return Err(Error::MissingRanks {
+                world_size,
+                missing: (n..world_size).collect(),
+            });
         }
         if n > world_size {
-            return Err(Error::RankOutOfRange { rank: world_size, world_size });
+            return Err(Error::RankOutOfRange {
+                rank: world_size,
+                world_size,
+            });
         }
         Ok(())
     }
@@ -412,7 +509,9 @@ impl Topology {
 
     /// The listed link between two ranks, in either direction.
     pub fn link(&self, a: usize, b: usize) -> Option<&Link> {
-        self.links.iter().find(|l| l.ranks == [a, b] || l.ranks == [b, a])
+        self.links
+            .iter()
+            .find(|l| l.ranks == [a, b] || l.ranks == [b, a])
     }
 
     /// The link class between two ranks: the listed one, else [`LinkClass::Shm`] on one host and
@@ -422,7 +521,11 @@ impl Topology {
             return Some(l.class);
         }
         let (x, y) = (self.host_of(a)?, self.host_of(b)?);
-        Some(if x == y { LinkClass::Shm } else { LinkClass::Tcp })
+        Some(if x == y {
+            LinkClass::Shm
+        } else {
+            LinkClass::Tcp
+        })
     }
 
     /// The number of steps of the ring `order` (closing back to its start) that join ranks of
@@ -431,7 +534,9 @@ impl Topology {
         if order.len() < 2 {
             return 0;
         }
-        (0..order.len()).filter(|&i| !self.same_host(order[i], order[(i + 1) % order.len()])).count()
+        (0..order.len())
+            .filter(|&i| !self.same_host(order[i], order[(i + 1) % order.len()]))
+            .count()
     }
 
     /// See [`ring_order`].
@@ -454,13 +559,19 @@ fn validate_host(h: usize, host: &Host) -> Result<()> {
     let mut ids = BTreeSet::new();
     for (i, node) in host.numa.iter().enumerate() {
         if !ids.insert(node.id) {
-            return Err(Error::invalid(format!("hosts[{h}].numa[{i}].id"), format!("NUMA node {} is listed twice", node.id)));
+            return Err(Error::invalid(
+                format!("hosts[{h}].numa[{i}].id"),
+                format!("NUMA node {} is listed twice", node.id),
+            ));
         }
     }
     let mut pci = BTreeSet::new();
     for (i, gpu) in host.gpus.iter().enumerate() {
         if gpu.pci_bus_id.trim().is_empty() {
-            return Err(Error::invalid(format!("hosts[{h}].gpus[{i}].pci"), "PCI address is empty"));
+            return Err(Error::invalid(
+                format!("hosts[{h}].gpus[{i}].pci"),
+                "PCI address is empty",
+            ));
         }
         if !pci.insert(gpu.pci_bus_id.to_ascii_lowercase()) {
             return Err(Error::invalid(
@@ -472,7 +583,10 @@ fn validate_host(h: usize, host: &Host) -> Result<()> {
     let mut nics = BTreeSet::new();
     for (i, nic) in host.nics.iter().enumerate() {
         if nic.name.trim().is_empty() {
-            return Err(Error::invalid(format!("hosts[{h}].nics[{i}].name"), "interface name is empty"));
+            return Err(Error::invalid(
+                format!("hosts[{h}].nics[{i}].name"),
+                "interface name is empty",
+            ));
         }
         if !nics.insert(nic.name.as_str()) {
             return Err(Error::invalid(

@@ -39,7 +39,11 @@ pub struct ProbeOptions {
 
 impl Default for ProbeOptions {
     fn default() -> Self {
-        ProbeOptions { gap_factor: DEFAULT_GAP_FACTOR, max_same_host_latency: None, min_same_host_bandwidth: None }
+        ProbeOptions {
+            gap_factor: DEFAULT_GAP_FACTOR,
+            max_same_host_latency: None,
+            min_same_host_bandwidth: None,
+        }
     }
 }
 
@@ -58,7 +62,14 @@ impl Inference {
     /// The inferred topology: one host per group (named `host0`, `host1`, ...), source [`Source::Probed`].
     pub fn topology(&self) -> Topology {
         let n = self.groups.iter().map(Vec::len).sum();
-        let mut ranks: Vec<RankPlace> = (0..n).map(|rank| RankPlace { rank, host: 0, numa: None, gpu: None }).collect();
+        let mut ranks: Vec<RankPlace> = (0..n)
+            .map(|rank| RankPlace {
+                rank,
+                host: 0,
+                numa: None,
+                gpu: None,
+            })
+            .collect();
         for (h, group) in self.groups.iter().enumerate() {
             for &r in group {
                 if let Some(p) = ranks.get_mut(r) {
@@ -66,8 +77,15 @@ impl Inference {
                 }
             }
         }
-        let hosts = (0..self.groups.len()).map(|h| Host::named(format!("host{h}"))).collect();
-        Topology { hosts, ranks, links: Vec::new(), source: Source::Probed }
+        let hosts = (0..self.groups.len())
+            .map(|h| Host::named(format!("host{h}")))
+            .collect();
+        Topology {
+            hosts,
+            ranks,
+            links: Vec::new(),
+            source: Source::Probed,
+        }
     }
 }
 
@@ -99,20 +117,28 @@ pub fn infer_hosts(
 ) -> Result<Inference> {
     let f = options.gap_factor;
     if !(f.is_finite() && f > 1.0) {
-        return Err(Error::Probe { metric: "probe", reason: format!("gap factor {f} must be a finite number above 1") });
+        return Err(Error::Probe {
+            metric: "probe",
+            reason: format!("gap factor {f} must be a finite number above 1"),
+        });
     }
     let limit = |name: &'static str, v: Option<f64>| -> Result<Option<f64>> {
         match v {
-            Some(x) if !(x.is_finite() && x > 0.0) => {
-                Err(Error::Probe { metric: name, reason: format!("same-host limit {x} must be positive and finite") })
-            }
+            Some(x) if !(x.is_finite() && x > 0.0) => Err(Error::Probe {
+                metric: name,
+                reason: format!("same-host limit {x} must be positive and finite"),
+            }),
             other => Ok(other),
         }
     };
     let mut metrics = Vec::new();
     if let Some(m) = latency {
         let lim = limit("latency", options.max_same_host_latency)?;
-        metrics.push(Metric { name: "latency", dist: symmetrize("latency", m, |x| x.ln())?, limit: lim.map(f64::ln) });
+        metrics.push(Metric {
+            name: "latency",
+            dist: symmetrize("latency", m, |x| x.ln())?,
+            limit: lim.map(f64::ln),
+        });
     }
     if let Some(m) = bandwidth {
         let lim = limit("bandwidth", options.min_same_host_bandwidth)?;
@@ -123,7 +149,10 @@ pub fn infer_hosts(
         });
     }
     if metrics.is_empty() {
-        return Err(Error::Probe { metric: "probe", reason: "neither latency nor bandwidth was given".into() });
+        return Err(Error::Probe {
+            metric: "probe",
+            reason: "neither latency nor bandwidth was given".into(),
+        });
     }
     let n = metrics[0].dist.len();
     if let Some(m) = metrics.iter().find(|m| m.dist.len() != n) {
@@ -133,7 +162,11 @@ pub fn infer_hosts(
         });
     }
     if n == 1 {
-        return Ok(Inference { groups: vec![vec![0]], confidence: 1.0, reason: "one rank: one host".into() });
+        return Ok(Inference {
+            groups: vec![vec![0]],
+            confidence: 1.0,
+            reason: "one rank: one host".into(),
+        });
     }
     let gap = f.ln();
 
@@ -143,29 +176,34 @@ pub fn infer_hosts(
     let mut disagree = Vec::new();
     let mut limited = false;
     let mut all_alike = true;
-    for i in 0..n {
+    for (i, near_i) in near.iter_mut().enumerate() {
         let rows: Vec<Row> = metrics.iter().map(|m| classify(&m.dist, i, gap)).collect();
-        let gaps: Vec<&Vec<usize>> =
-            rows.iter().filter_map(|r| if let Row::Gap(s) = r { Some(s) } else { None }).collect();
+        let gaps: Vec<&Vec<usize>> = rows
+            .iter()
+            .filter_map(|r| if let Row::Gap(s) = r { Some(s) } else { None })
+            .collect();
         all_alike &= rows.iter().all(|r| matches!(r, Row::Alike));
         if let Some(first) = gaps.first() {
             for &j in first.iter() {
-                near[i][j] = gaps.iter().all(|s| s.contains(&j));
+                near_i[j] = gaps.iter().all(|s| s.contains(&j));
             }
-            if gaps.iter().any(|s| s.len() != first.len() || s.iter().any(|j| !first.contains(j))) {
+            if gaps
+                .iter()
+                .any(|s| s.len() != first.len() || s.iter().any(|j| !first.contains(j)))
+            {
                 disagree.push(i);
             }
         } else if rows.iter().any(|r| matches!(r, Row::Unclear)) {
             unclear.push(i);
         } else {
-            (0..n).filter(|&j| j != i).for_each(|j| near[i][j] = true);
+            (0..n).filter(|&j| j != i).for_each(|j| near_i[j] = true);
         }
         for m in &metrics {
             if let Some(lim) = m.limit {
                 for j in (0..n).filter(|&j| j != i) {
                     if m.dist[i][j] > lim {
-                        limited |= near[i][j];
-                        near[i][j] = false;
+                        limited |= near_i[j];
+                        near_i[j] = false;
                     }
                 }
             }
@@ -181,12 +219,10 @@ pub fn infer_hosts(
         }
         x
     }
-    for i in 0..n {
-        for j in i + 1..n {
-            if near[i][j] && near[j][i] {
-                let (a, b) = (find(&mut parent, i), find(&mut parent, j));
-                parent[a.max(b)] = a.min(b);
-            }
+    for (i, j) in (0..n).flat_map(|i| (i + 1..n).map(move |j| (i, j))) {
+        if near[i][j] && near[j][i] {
+            let (a, b) = (find(&mut parent, i), find(&mut parent, j));
+            parent[a.max(b)] = a.min(b);
         }
     }
     let mut groups: Vec<Vec<usize>> = Vec::new();
@@ -232,7 +268,10 @@ pub fn infer_hosts(
                 ),
             )
         } else {
-            (0.6, format!("all {n} ranks are joined through their nearest peers: one host"))
+            (
+                0.6,
+                format!("all {n} ranks are joined through their nearest peers: one host"),
+            )
         }
     } else if groups.iter().all(|g| g.len() == 1) {
         if limited || (all_alike && metrics.iter().any(|m| m.limit.is_some())) {
@@ -261,17 +300,30 @@ pub fn infer_hosts(
             let (best, name) = metrics
                 .iter()
                 .map(|m| {
-                    let inside = (0..n).filter(|&j| j != i && group_of[j] == g).map(|j| m.dist[i][j]);
+                    let inside = (0..n)
+                        .filter(|&j| j != i && group_of[j] == g)
+                        .map(|j| m.dist[i][j]);
                     let outside = (0..n).filter(|&j| group_of[j] != g).map(|j| m.dist[i][j]);
-                    (outside.fold(f64::INFINITY, f64::min) - inside.fold(f64::NEG_INFINITY, f64::max), m.name)
+                    (
+                        outside.fold(f64::INFINITY, f64::min)
+                            - inside.fold(f64::NEG_INFINITY, f64::max),
+                        m.name,
+                    )
                 })
-                .fold((f64::NEG_INFINITY, ""), |a, b| if b.0 > a.0 { b } else { a });
+                .fold(
+                    (f64::NEG_INFINITY, ""),
+                    |a, b| if b.0 > a.0 { b } else { a },
+                );
             if best < margin {
                 margin = best;
                 by = name;
             }
         }
-        let sizes = groups.iter().map(|g| g.len().to_string()).collect::<Vec<_>>().join("+");
+        let sizes = groups
+            .iter()
+            .map(|g| g.len().to_string())
+            .collect::<Vec<_>>()
+            .join("+");
         (
             (margin / (2.0 * gap)).clamp(0.0, 1.0),
             format!(
@@ -290,7 +342,10 @@ pub fn infer_hosts(
     }
     if !unclear.is_empty() && groups.iter().any(|g| g.len() > 1) {
         confidence *= 0.5;
-        reason.push_str(&format!("; rank(s) {} showed no clear gap and were kept apart", join(&unclear)));
+        reason.push_str(&format!(
+            "; rank(s) {} showed no clear gap and were kept apart",
+            join(&unclear)
+        ));
     }
     if !disagree.is_empty() {
         confidence *= 0.7;
@@ -299,7 +354,11 @@ pub fn infer_hosts(
             join(&disagree)
         ));
     }
-    Ok(Inference { groups, confidence, reason })
+    Ok(Inference {
+        groups,
+        confidence,
+        reason,
+    })
 }
 
 fn join(ranks: &[usize]) -> String {
@@ -307,18 +366,27 @@ fn join(ranks: &[usize]) -> String {
 }
 
 /// Checks a measurement matrix and returns its symmetrized log-distance form.
-fn symmetrize(name: &'static str, m: &[Vec<f64>], to_dist: fn(f64) -> f64) -> Result<Vec<Vec<f64>>> {
+fn symmetrize(
+    name: &'static str,
+    m: &[Vec<f64>],
+    to_dist: fn(f64) -> f64,
+) -> Result<Vec<Vec<f64>>> {
     let n = m.len();
     if n == 0 {
-        return Err(Error::Probe { metric: name, reason: "is empty".into() });
+        return Err(Error::Probe {
+            metric: name,
+            reason: "is empty".into(),
+        });
     }
     if let Some((i, row)) = m.iter().enumerate().find(|(_, r)| r.len() != n) {
-        return Err(Error::Probe { metric: name, reason: format!("row {i} has {} entries, expected {n}", row.len()) });
+        return Err(Error::Probe {
+            metric: name,
+            reason: format!("row {i} has {} entries, expected {n}", row.len()),
+        });
     }
     let mut d = vec![vec![0.0; n]; n];
-    for i in 0..n {
-        for j in 0..n {
-            let v = m[i][j];
+    for (i, row) in m.iter().enumerate() {
+        for (j, &v) in row.iter().enumerate() {
             if i != j && !v.is_nan() && !(v.is_finite() && v > 0.0) {
                 return Err(Error::Probe {
                     metric: name,
@@ -331,7 +399,11 @@ fn symmetrize(name: &'static str, m: &[Vec<f64>], to_dist: fn(f64) -> f64) -> Re
     }
     for i in 0..n {
         for j in i + 1..n {
-            let both: Vec<f64> = [m[i][j], m[j][i]].into_iter().filter(|v| !v.is_nan()).map(to_dist).collect();
+            let both: Vec<f64> = [m[i][j], m[j][i]]
+                .into_iter()
+                .filter(|v| !v.is_nan())
+                .map(to_dist)
+                .collect();
             if both.is_empty() {
                 return Err(Error::Probe {
                     metric: name,
@@ -347,8 +419,12 @@ fn symmetrize(name: &'static str, m: &[Vec<f64>], to_dist: fn(f64) -> f64) -> Re
 }
 
 fn classify(dist: &[Vec<f64>], i: usize, gap: f64) -> Row {
-    let mut others: Vec<(f64, usize)> =
-        dist[i].iter().enumerate().filter(|&(j, _)| j != i).map(|(j, &v)| (v, j)).collect();
+    let mut others: Vec<(f64, usize)> = dist[i]
+        .iter()
+        .enumerate()
+        .filter(|&(j, _)| j != i)
+        .map(|(j, &v)| (v, j))
+        .collect();
     others.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
     if let Some(k) = others.windows(2).position(|w| w[1].0 - w[0].0 >= gap) {
         return Row::Gap(others[..=k].iter().map(|&(_, j)| j).collect());
@@ -360,8 +436,15 @@ fn classify(dist: &[Vec<f64>], i: usize, gap: f64) -> Row {
 }
 
 fn spread(dist: &[Vec<f64>]) -> f64 {
-    let vals = dist.iter().enumerate().flat_map(|(i, r)| r.iter().enumerate().filter(move |&(j, _)| j > i).map(|(_, &v)| v));
-    let (lo, hi) = vals.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    let vals = dist.iter().enumerate().flat_map(|(i, r)| {
+        r.iter()
+            .enumerate()
+            .filter(move |&(j, _)| j > i)
+            .map(|(_, &v)| v)
+    });
+    let (lo, hi) = vals.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
     if lo.is_finite() {
         hi - lo
     } else {

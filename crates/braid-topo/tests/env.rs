@@ -22,12 +22,25 @@ fn topology_file_from_the_environment() {
     assert_eq!(Topology::from_env(None).unwrap(), Some(t));
 
     let err = Topology::from_env(Some(4)).unwrap_err();
-    assert!(matches!(err, Error::Env { var: "BRAID_TOPO_FILE", .. }));
+    assert!(matches!(
+        err,
+        Error::Env {
+            var: "BRAID_TOPO_FILE",
+            ..
+        }
+    ));
     let msg = err.to_string();
-    assert!(msg.starts_with("BRAID_TOPO_FILE: ") && msg.contains("t.json") && msg.contains("rank(s) 3"), "{msg}");
+    assert!(
+        msg.starts_with("BRAID_TOPO_FILE: ") && msg.contains("t.json") && msg.contains("rank(s) 3"),
+        "{msg}"
+    );
 
     std::env::set_var(TOPO_FILE_ENV, dir.path().join("absent.json"));
     let msg = Topology::from_env(Some(3)).unwrap_err().to_string();
-    assert!(msg.starts_with("BRAID_TOPO_FILE: cannot read topology file") && msg.contains("absent.json"), "{msg}");
+    assert!(
+        msg.starts_with("BRAID_TOPO_FILE: cannot read topology file")
+            && msg.contains("absent.json"),
+        "{msg}"
+    );
     std::env::remove_var(TOPO_FILE_ENV);
 }

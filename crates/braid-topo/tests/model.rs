@@ -7,7 +7,16 @@ fn with_hosts(host_of: &[usize]) -> Topology {
     let hosts = host_of.iter().max().map_or(0, |m| m + 1);
     Topology {
         hosts: (0..hosts).map(|h| Host::named(format!("n{h}"))).collect(),
-        ranks: host_of.iter().enumerate().map(|(rank, &host)| RankPlace { rank, host, numa: None, gpu: None }).collect(),
+        ranks: host_of
+            .iter()
+            .enumerate()
+            .map(|(rank, &host)| RankPlace {
+                rank,
+                host,
+                numa: None,
+                gpu: None,
+            })
+            .collect(),
         links: Vec::new(),
         source: Source::File,
     }
@@ -19,9 +28,15 @@ fn identities_group_ranks_by_first_appearance() {
     let t = Topology::from_identities(&ids).unwrap();
     t.validate().unwrap();
     assert_eq!(t.source, Source::Detected);
-    assert_eq!(t.hosts.iter().map(|h| h.name.as_str()).collect::<Vec<_>>(), vec!["b", "a", "c"]);
+    assert_eq!(
+        t.hosts.iter().map(|h| h.name.as_str()).collect::<Vec<_>>(),
+        vec!["b", "a", "c"]
+    );
     assert_eq!(t.host_groups(), vec![vec![0, 2, 5], vec![1, 4], vec![3]]);
-    assert_eq!((0..6).map(|r| t.local_rank(r).unwrap()).collect::<Vec<_>>(), vec![0, 0, 1, 0, 1, 2]);
+    assert_eq!(
+        (0..6).map(|r| t.local_rank(r).unwrap()).collect::<Vec<_>>(),
+        vec![0, 0, 1, 0, 1, 2]
+    );
     assert_eq!(t.local_world_size(4), Some(2));
     assert_eq!(t.local_rank(6), None);
     assert!(!t.is_uniform());
@@ -31,7 +46,10 @@ fn identities_group_ranks_by_first_appearance() {
     let err = Topology::from_identities::<String>(&[]).unwrap_err();
     assert!(err.to_string().contains("no ranks"), "{err}");
     let err = Topology::from_identities(&["a", ""]).unwrap_err();
-    assert_eq!(err.to_string(), "identities[1]: rank reported an empty identity");
+    assert_eq!(
+        err.to_string(),
+        "identities[1]: rank reported an empty identity"
+    );
 }
 
 #[test]
@@ -42,7 +60,16 @@ fn groups_must_partition_the_ranks() {
     let err = Topology::from_groups(&[vec![0, 1], vec![1]], Source::Probed).unwrap_err();
     assert_eq!(err.to_string(), "groups[1]: rank 1 is already in groups[0]");
     let err = Topology::from_groups(&[vec![0, 5]], Source::Probed).unwrap_err();
-    assert!(matches!(err, Error::RankOutOfRange { rank: 5, world_size: 2 }), "{err}");
+    assert!(
+        matches!(
+            err,
+            Error::RankOutOfRange {
+                rank: 5,
+                world_size: 2
+            }
+        ),
+        "{err}"
+    );
     let err = Topology::from_groups(&[vec![0], vec![]], Source::Probed).unwrap_err();
     assert_eq!(err.to_string(), "groups[1]: group has no ranks");
 }
@@ -50,7 +77,12 @@ fn groups_must_partition_the_ranks() {
 #[test]
 fn link_classes_default_by_host() {
     let mut t = with_hosts(&[0, 0, 1]);
-    t.links.push(Link { ranks: [2, 0], class: LinkClass::Rdma, bandwidth: Some(2.5e10), latency: None });
+    t.links.push(Link {
+        ranks: [2, 0],
+        class: LinkClass::Rdma,
+        bandwidth: Some(2.5e10),
+        latency: None,
+    });
     t.validate().unwrap();
     assert_eq!(t.default_class(0, 1), Some(LinkClass::Shm));
     assert_eq!(t.default_class(1, 2), Some(LinkClass::Tcp));
@@ -66,13 +98,30 @@ fn hand_built_topologies_are_validated() {
     t.ranks[0].host = 0;
     t.ranks[1].host = 1;
     let err = t.validate().unwrap_err();
-    assert_eq!(err.to_string(), "ranks[0]: holds rank 1; ranks must be in rank order");
+    assert_eq!(
+        err.to_string(),
+        "ranks[0]: holds rank 1; ranks must be in rank order"
+    );
     let mut t = with_hosts(&[0, 1]);
     t.ranks[1].host = 4;
-    assert!(matches!(t.validate().unwrap_err(), Error::UnknownHost { rank: 1, hosts: 2, .. }));
+    assert!(matches!(
+        t.validate().unwrap_err(),
+        Error::UnknownHost {
+            rank: 1,
+            hosts: 2,
+            ..
+        }
+    ));
     let mut t = with_hosts(&[0, 0]);
     t.ranks[1].rank = 0;
-    assert!(matches!(t.validate().unwrap_err(), Error::DuplicateRank { rank: 0, first: 0, second: 1 }));
+    assert!(matches!(
+        t.validate().unwrap_err(),
+        Error::DuplicateRank {
+            rank: 0,
+            first: 0,
+            second: 1
+        }
+    ));
 }
 
 #[test]
@@ -86,7 +135,12 @@ fn the_summary_names_hosts_ranks_and_links() {
         mac: None,
         addresses: vec!["192.168.1.2".into()],
     });
-    t.links.push(Link { ranks: [0, 1], class: LinkClass::Rdma, bandwidth: Some(2.4e10), latency: Some(3e-6) });
+    t.links.push(Link {
+        ranks: [0, 1],
+        class: LinkClass::Rdma,
+        bandwidth: Some(2.4e10),
+        latency: Some(3e-6),
+    });
     let text = t.to_string();
     assert_eq!(text, t.describe());
     let expected = [
@@ -99,7 +153,10 @@ fn the_summary_names_hosts_ranks_and_links() {
     ];
     assert_eq!(text.lines().collect::<Vec<_>>(), expected);
     let uneven = with_hosts(&[0, 0, 1]).to_string();
-    assert!(uneven.starts_with("topology (file): 2 hosts, 3 ranks, 2/1 per host\n"), "{uneven}");
+    assert!(
+        uneven.starts_with("topology (file): 2 hosts, 3 ranks, 2/1 per host\n"),
+        "{uneven}"
+    );
 }
 
 proptest! {

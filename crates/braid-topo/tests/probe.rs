@@ -31,23 +31,30 @@ impl World {
         let h = self.hosts;
         let inside: Vec<f64> = (0..h).map(|_| rng.uniform(intra.0, intra.1)).collect();
         let mut between = vec![vec![0.0; h]; h];
-        for a in 0..h {
-            for b in a + 1..h {
-                let v = rng.uniform(inter.0, inter.1);
-                between[a][b] = v;
-                between[b][a] = v;
-            }
+        for (a, b) in pairs(h) {
+            let v = rng.uniform(inter.0, inter.1);
+            between[a][b] = v;
+            between[b][a] = v;
         }
-        let n = self.host_of.len();
-        let mut m = vec![vec![0.0; n]; n];
-        for i in 0..n {
-            for j in 0..n {
-                let (a, b) = (self.host_of[i], self.host_of[j]);
-                let base = if a == b { inside[a] } else { between[a][b] };
-                m[i][j] = if i == j { f64::NAN } else { base * rng.uniform(1.0 - noise, 1.0 + noise) };
-            }
-        }
-        m
+        let host_of = &self.host_of;
+        host_of
+            .iter()
+            .enumerate()
+            .map(|(i, &a)| {
+                host_of
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &b)| {
+                        let base = if a == b { inside[a] } else { between[a][b] };
+                        if i == j {
+                            f64::NAN
+                        } else {
+                            base * rng.uniform(1.0 - noise, 1.0 + noise)
+                        }
+                    })
+                    .collect()
+            })
+            .collect()
     }
 }
 
@@ -55,12 +62,25 @@ impl World {
 /// run one rank (relative measures cannot tell two lone ranks apart from one host).
 fn world(max_singletons: usize) -> impl Strategy<Value = World> {
     prop::collection::vec(1usize..=5, 1..=6)
-        .prop_filter("too many one-rank hosts", move |sizes| sizes.iter().filter(|&&s| s == 1).count() <= max_singletons)
-        .prop_flat_map(|sizes| {
-            let labels: Vec<usize> = sizes.iter().enumerate().flat_map(|(h, &s)| std::iter::repeat_n(h, s)).collect();
-            let hosts = sizes.len();
-            Just(labels).prop_shuffle().prop_map(move |host_of| World { host_of, hosts })
+        .prop_filter("too many one-rank hosts", move |sizes| {
+            sizes.iter().filter(|&&s| s == 1).count() <= max_singletons
         })
+        .prop_flat_map(|sizes| {
+            let labels: Vec<usize> = sizes
+                .iter()
+                .enumerate()
+                .flat_map(|(h, &s)| std::iter::repeat_n(h, s))
+                .collect();
+            let hosts = sizes.len();
+            Just(labels)
+                .prop_shuffle()
+                .prop_map(move |host_of| World { host_of, hosts })
+        })
+}
+
+/// The pairs `(i, j)` with `i < j < n`.
+fn pairs(n: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..n).flat_map(move |i| (i + 1..n).map(move |j| (i, j)))
 }
 
 const US: f64 = 1e-6;
@@ -125,7 +145,9 @@ proptest! {
 }
 
 fn uniform(n: usize, v: f64) -> Vec<Vec<f64>> {
-    (0..n).map(|i| (0..n).map(|j| if i == j { 0.0 } else { v }).collect()).collect()
+    (0..n)
+        .map(|i| (0..n).map(|j| if i == j { 0.0 } else { v }).collect())
+        .collect()
 }
 
 #[test]
@@ -133,13 +155,24 @@ fn all_pairs_alike_is_one_host_unless_a_limit_says_otherwise() {
     let lat = uniform(4, 50.0 * US);
     let inf = infer_hosts(Some(&lat), None, &ProbeOptions::default()).unwrap();
     assert_eq!(inf.groups, vec![vec![0, 1, 2, 3]]);
-    assert!(inf.reason.contains("look alike") && inf.reason.contains("same-host limit"), "{}", inf.reason);
+    assert!(
+        inf.reason.contains("look alike") && inf.reason.contains("same-host limit"),
+        "{}",
+        inf.reason
+    );
     assert!(inf.confidence <= 0.5, "{}", inf.confidence);
 
-    let options = ProbeOptions { max_same_host_latency: Some(10.0 * US), ..ProbeOptions::default() };
+    let options = ProbeOptions {
+        max_same_host_latency: Some(10.0 * US),
+        ..ProbeOptions::default()
+    };
     let inf = infer_hosts(Some(&lat), None, &options).unwrap();
     assert_eq!(inf.groups, vec![vec![0], vec![1], vec![2], vec![3]]);
-    assert!(inf.reason.contains("within the same-host limit"), "{}", inf.reason);
+    assert!(
+        inf.reason.contains("within the same-host limit"),
+        "{}",
+        inf.reason
+    );
 
     let inf = infer_hosts(Some(&uniform(3, 1.0 * US)), None, &options).unwrap();
     assert_eq!(inf.groups, vec![vec![0, 1, 2]]);
@@ -152,16 +185,19 @@ fn a_gradual_spread_keeps_ranks_apart_with_low_confidence() {
     let n = 4;
     let mut lat = vec![vec![0.0; n]; n];
     let mut v = 1.0 * US;
-    for i in 0..n {
-        for j in i + 1..n {
-            lat[i][j] = v;
-            lat[j][i] = v;
-            v *= 1.9;
-        }
+    for (i, j) in pairs(n) {
+        lat[i][j] = v;
+        lat[j][i] = v;
+        v *= 1.9;
     }
     let inf = infer_hosts(Some(&lat), None, &ProbeOptions::default()).unwrap();
     assert_eq!(inf.groups.len(), n, "{:?} {}", inf.groups, inf.reason);
-    assert!(inf.confidence < 0.5 && inf.reason.contains("no clear gap"), "{} {}", inf.confidence, inf.reason);
+    assert!(
+        inf.confidence < 0.5 && inf.reason.contains("no clear gap"),
+        "{} {}",
+        inf.confidence,
+        inf.reason
+    );
 }
 
 #[test]
@@ -192,12 +228,26 @@ fn ranks_joined_only_through_a_third_lower_the_confidence() {
     clique[0][2] = 1.1 * US;
     clique[2][0] = 1.1 * US;
     let clean = infer_hosts(Some(&clique), None, &ProbeOptions::default()).unwrap();
-    assert_eq!(clean.groups, vec![vec![0, 1, 2], vec![3]], "{}", clean.reason);
-    assert!(!clean.reason.contains("grouped through"), "{}", clean.reason);
+    assert_eq!(
+        clean.groups,
+        vec![vec![0, 1, 2], vec![3]],
+        "{}",
+        clean.reason
+    );
+    assert!(
+        !clean.reason.contains("grouped through"),
+        "{}",
+        clean.reason
+    );
     let inf = infer_hosts(Some(&lat), None, &ProbeOptions::default()).unwrap();
     assert_eq!(inf.groups, vec![vec![0, 1, 2], vec![3]], "{}", inf.reason);
     assert!(inf.reason.contains("ranks 0 and 2"), "{}", inf.reason);
-    assert!(inf.confidence <= clean.confidence * 0.3 + 1e-12, "{} vs {}", inf.confidence, clean.confidence);
+    assert!(
+        inf.confidence <= clean.confidence * 0.3 + 1e-12,
+        "{} vs {}",
+        inf.confidence,
+        clean.confidence
+    );
 }
 
 #[test]
@@ -216,7 +266,12 @@ fn metrics_that_disagree_group_only_what_both_show() {
         vec![0.5 * GB, 0.5 * GB, 0.5 * GB, 0.0],
     ];
     let inf = infer_hosts(Some(&lat), Some(&bw), &ProbeOptions::default()).unwrap();
-    assert_eq!(inf.groups, vec![vec![0, 1], vec![2], vec![3]], "{}", inf.reason);
+    assert_eq!(
+        inf.groups,
+        vec![vec![0, 1], vec![2], vec![3]],
+        "{}",
+        inf.reason
+    );
     assert!(inf.reason.contains("disagree"), "{}", inf.reason);
 }
 
@@ -226,10 +281,18 @@ fn one_rank_is_one_host() {
     assert_eq!((inf.groups, inf.confidence), (vec![vec![0]], 1.0));
 }
 
-fn probe_err(lat: Option<&[Vec<f64>]>, bw: Option<&[Vec<f64>]>, options: &ProbeOptions, needle: &str) {
+fn probe_err(
+    lat: Option<&[Vec<f64>]>,
+    bw: Option<&[Vec<f64>]>,
+    options: &ProbeOptions,
+    needle: &str,
+) {
     let err = infer_hosts(lat, bw, options).unwrap_err();
     assert!(matches!(err, Error::Probe { .. }), "{err:?}");
-    assert!(err.to_string().contains(needle), "expected {needle:?} in: {err}");
+    assert!(
+        err.to_string().contains(needle),
+        "expected {needle:?} in: {err}"
+    );
 }
 
 #[test]
@@ -238,21 +301,65 @@ fn bad_measurements_are_named() {
     let mut lat = uniform(3, 1.0 * US);
     probe_err(None, None, &d, "neither latency nor bandwidth");
     probe_err(Some(&[]), None, &d, "latency matrix: is empty");
-    probe_err(Some(&lat[..2]), None, &d, "latency matrix: row 0 has 3 entries, expected 2");
-    probe_err(Some(&lat), Some(&uniform(2, GB)), &d, "bandwidth matrix: has 2 ranks but the latency matrix has 3");
+    probe_err(
+        Some(&lat[..2]),
+        None,
+        &d,
+        "latency matrix: row 0 has 3 entries, expected 2",
+    );
+    probe_err(
+        Some(&lat),
+        Some(&uniform(2, GB)),
+        &d,
+        "bandwidth matrix: has 2 ranks but the latency matrix has 3",
+    );
     lat[1][2] = -1.0;
-    probe_err(Some(&lat), None, &d, "latency[1][2] = -1 is not a positive, finite measurement");
+    probe_err(
+        Some(&lat),
+        None,
+        &d,
+        "latency[1][2] = -1 is not a positive, finite measurement",
+    );
     lat[1][2] = f64::INFINITY;
     probe_err(Some(&lat), None, &d, "latency[1][2] = inf");
     lat[1][2] = f64::NAN;
     lat[2][1] = f64::NAN;
-    probe_err(Some(&lat), None, &d, "latency[1][2] and latency[2][1] are both missing");
+    probe_err(
+        Some(&lat),
+        None,
+        &d,
+        "latency[1][2] and latency[2][1] are both missing",
+    );
     let mut bw = uniform(3, GB);
     bw[0][1] = 0.0;
     probe_err(None, Some(&bw), &d, "bandwidth[0][1] = 0");
     let lat = uniform(3, 1.0 * US);
-    probe_err(Some(&lat), None, &ProbeOptions { gap_factor: 1.0, ..d.clone() }, "gap factor 1 must be");
-    probe_err(Some(&lat), None, &ProbeOptions { gap_factor: f64::NAN, ..d.clone() }, "gap factor NaN");
-    let bad_limit = ProbeOptions { max_same_host_latency: Some(-1.0), ..d };
-    probe_err(Some(&lat), None, &bad_limit, "latency matrix: same-host limit -1");
+    probe_err(
+        Some(&lat),
+        None,
+        &ProbeOptions {
+            gap_factor: 1.0,
+            ..d.clone()
+        },
+        "gap factor 1 must be",
+    );
+    probe_err(
+        Some(&lat),
+        None,
+        &ProbeOptions {
+            gap_factor: f64::NAN,
+            ..d.clone()
+        },
+        "gap factor NaN",
+    );
+    let bad_limit = ProbeOptions {
+        max_same_host_latency: Some(-1.0),
+        ..d
+    };
+    probe_err(
+        Some(&lat),
+        None,
+        &bad_limit,
+        "latency matrix: same-host limit -1",
+    );
 }
