@@ -15,7 +15,7 @@ pub const TOPO_FILE_ENV: &str = "BRAID_TOPO_FILE";
 pub const FORMAT_VERSION: u64 = 1;
 
 #[derive(Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(rename = "Topology", deny_unknown_fields)]
 struct FileTopology {
     version: u64,
     #[serde(default = "file_source")]
@@ -31,7 +31,7 @@ fn file_source() -> Source {
 }
 
 #[derive(Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(rename = "Rank", deny_unknown_fields)]
 struct FileRank {
     rank: usize,
     host: HostRef,
@@ -80,6 +80,16 @@ impl Topology {
     pub fn from_json(text: &str) -> Result<Self> {
         // Read the version first so that a newer file fails on its version, not on a field it added.
         let value: serde_json::Value = serde_json::from_str(text).map_err(parse_error)?;
+        if !value.is_object() {
+            return Err(Error::Parse {
+                line: 1,
+                column: 1,
+                message: format!(
+                    "expected a JSON object holding a topology, found {}",
+                    json_kind(&value)
+                ),
+            });
+        }
         match value.get("version") {
             Some(v) => match v.as_u64() {
                 Some(FORMAT_VERSION) => {}
@@ -96,13 +106,12 @@ impl Topology {
                     ))
                 }
             },
-            None if value.is_object() => {
+            None => {
                 return Err(Error::invalid(
                     "version",
                     format!("missing; this build reads version {FORMAT_VERSION}"),
                 ))
             }
-            None => {}
         }
         let file: FileTopology = serde_json::from_str(text).map_err(parse_error)?;
         // Names must be unique before ranks can be resolved by name.
@@ -242,6 +251,17 @@ impl Topology {
             })?;
         }
         Ok(Some(topology))
+    }
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
     }
 }
 

@@ -118,7 +118,7 @@ pub struct RankPlace {
     pub rank: usize,
     /// Index into [`Topology::hosts`].
     pub host: usize,
-    /// NUMA node id the rank is bound to, when known.
+    /// NUMA node id the rank is bound to, when known; one of the host's nodes when the host lists any.
     pub numa: Option<u32>,
     /// Index into the host's [`Host::gpus`], when the rank drives a GPU.
     pub gpu: Option<usize>,

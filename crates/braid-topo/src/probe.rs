@@ -20,7 +20,7 @@
 //! looks alike is reported as one host unless an absolute limit says otherwise.
 
 use crate::error::{Error, Result};
-use crate::model::{Host, RankPlace, Source, Topology};
+use crate::model::{Source, Topology};
 
 /// The default [`ProbeOptions::gap_factor`]: same-host peers must be at least twice as close as the
 /// nearest rank on another host, while measurements of one kind of link may vary by less than that.
@@ -60,32 +60,9 @@ pub struct Inference {
 
 impl Inference {
     /// The inferred topology: one host per group (named `host0`, `host1`, ...), source [`Source::Probed`].
-    pub fn topology(&self) -> Topology {
-        let n = self.groups.iter().map(Vec::len).sum();
-        let mut ranks: Vec<RankPlace> = (0..n)
-            .map(|rank| RankPlace {
-                rank,
-                host: 0,
-                numa: None,
-                gpu: None,
-            })
-            .collect();
-        for (h, group) in self.groups.iter().enumerate() {
-            for &r in group {
-                if let Some(p) = ranks.get_mut(r) {
-                    p.host = h;
-                }
-            }
-        }
-        let hosts = (0..self.groups.len())
-            .map(|h| Host::named(format!("host{h}")))
-            .collect();
-        Topology {
-            hosts,
-            ranks,
-            links: Vec::new(),
-            source: Source::Probed,
-        }
+    /// Fails only if `groups` was changed into something that does not partition the ranks.
+    pub fn topology(&self) -> Result<Topology> {
+        Topology::from_groups(&self.groups, Source::Probed)
     }
 }
 

@@ -318,6 +318,14 @@ fn format_errors_are_named() {
         |v| drop(v["ranks"][0].as_object_mut().unwrap().remove("host")),
         "missing field `host`",
     );
+    let err = Topology::from_json("[]").unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("expected a JSON object holding a topology, found an array"),
+        "{err}"
+    );
+    let err = Topology::from_json("").unwrap_err();
+    assert!(err.to_string().contains("EOF while parsing"), "{err}");
     let err = Topology::from_json("{\n  \"version\": 1,\n  \"hosts\": [,]\n}").unwrap_err();
     assert!(matches!(err, Error::Parse { line: 3, .. }), "{err:?}");
 }
