@@ -6,7 +6,7 @@
 //! - **detected**: [`detect_host`] reads sysfs under any root directory ([`detect_local`] reads `/`), and
 //!   [`Topology::from_identities`] groups ranks by the host identity each reports at bootstrap;
 //! - **file**: the JSON format below, named by `BRAID_TOPO_FILE` ([`Topology::from_env`]);
-//! - **probed**: [`infer_hosts`] groups ranks from measured latency and/or bandwidth, where a cloud
+//! - **probed**: [`infer_hosts`] (or [`infer_topology`], which keeps the measurements as links) groups ranks from measured latency and/or bandwidth, where a cloud
 //!   hides which ranks share a machine.
 //!
 //! On top of the model: [`ring_order`] (a ring that crosses between hosts once per host),
@@ -95,4 +95,4 @@ pub use file::{FORMAT_VERSION, TOPO_FILE_ENV};
 pub use model::{
     ring_order, Gpu, Host, Link, LinkClass, Nic, NumaNode, RankPlace, Source, Topology,
 };
-pub use probe::{infer_hosts, Inference, ProbeOptions, DEFAULT_GAP_FACTOR};
+pub use probe::{infer_hosts, infer_topology, Inference, ProbeOptions, DEFAULT_GAP_FACTOR};

@@ -20,7 +20,7 @@
 //! looks alike is reported as one host unless an absolute limit says otherwise.
 
 use crate::error::{Error, Result};
-use crate::model::{Source, Topology};
+use crate::model::{Link, LinkClass, Source, Topology};
 
 /// The default [`ProbeOptions::gap_factor`]: same-host peers must be at least twice as close as the
 /// nearest rank on another host, while measurements of one kind of link may vary by less than that.
@@ -92,6 +92,45 @@ pub fn infer_hosts(
     bandwidth: Option<&[Vec<f64>]>,
     options: &ProbeOptions,
 ) -> Result<Inference> {
+    infer(latency, bandwidth, options).map(|(inference, _)| inference)
+}
+
+/// [`infer_hosts`], and the topology it implies with the measurements kept: one [`Link`] per pair of
+/// ranks, holding the symmetrized latency and/or bandwidth, of class [`LinkClass::Shm`] inside a host and
+/// [`LinkClass::Tcp`] between hosts (probing cannot tell which network carries the bytes).
+pub fn infer_topology(
+    latency: Option<&[Vec<f64>]>,
+    bandwidth: Option<&[Vec<f64>]>,
+    options: &ProbeOptions,
+) -> Result<(Topology, Inference)> {
+    let (inference, metrics) = infer(latency, bandwidth, options)?;
+    let mut topology = inference.topology()?;
+    let measured = |name: &str| metrics.iter().find(|m| m.name == name);
+    let (lat, bw) = (measured("latency"), measured("bandwidth"));
+    let n = topology.world_size();
+    for i in 0..n {
+        for j in i + 1..n {
+            topology.links.push(Link {
+                ranks: [i, j],
+                class: if topology.same_host(i, j) {
+                    LinkClass::Shm
+                } else {
+                    LinkClass::Tcp
+                },
+                latency: lat.map(|m| m.dist[i][j].exp()),
+                bandwidth: bw.map(|m| (-m.dist[i][j]).exp()),
+            });
+        }
+    }
+    topology.validate()?;
+    Ok((topology, inference))
+}
+
+fn infer(
+    latency: Option<&[Vec<f64>]>,
+    bandwidth: Option<&[Vec<f64>]>,
+    options: &ProbeOptions,
+) -> Result<(Inference, Vec<Metric>)> {
     let f = options.gap_factor;
     if !(f.is_finite() && f > 1.0) {
         return Err(Error::Probe {
@@ -139,11 +178,12 @@ pub fn infer_hosts(
         });
     }
     if n == 1 {
-        return Ok(Inference {
+        let inference = Inference {
             groups: vec![vec![0]],
             confidence: 1.0,
             reason: "one rank: one host".into(),
-        });
+        };
+        return Ok((inference, metrics));
     }
     let gap = f.ln();
 
@@ -331,11 +371,14 @@ pub fn infer_hosts(
             join(&disagree)
         ));
     }
-    Ok(Inference {
-        groups,
-        confidence,
-        reason,
-    })
+    Ok((
+        Inference {
+            groups,
+            confidence,
+            reason,
+        },
+        metrics,
+    ))
 }
 
 fn join(ranks: &[usize]) -> String {

@@ -2,7 +2,7 @@
 
 mod common;
 
-use braid_topo::{infer_hosts, Error, ProbeOptions, Source};
+use braid_topo::{infer_hosts, infer_topology, Error, LinkClass, ProbeOptions, Source};
 use common::Rng;
 use proptest::prelude::*;
 
@@ -124,6 +124,20 @@ proptest! {
         let bw = w.matrix(seed ^ 0x5555, BW_INTRA, BW_INTER, NOISE);
         let inf = infer_hosts(Some(&lat), Some(&bw), &ProbeOptions::default()).unwrap();
         prop_assert_eq!(&inf.groups, &w.expected_groups(), "{}", inf.reason);
+        let (topo, again) = infer_topology(Some(&lat), Some(&bw), &ProbeOptions::default()).unwrap();
+        prop_assert_eq!(again, inf);
+        let n = w.host_of.len();
+        prop_assert_eq!(topo.links.len(), n * (n - 1) / 2);
+        for link in &topo.links {
+            let [a, b] = link.ranks;
+            let same = w.host_of[a] == w.host_of[b];
+            prop_assert_eq!(link.class, if same { LinkClass::Shm } else { LinkClass::Tcp });
+            let (lat_ab, bw_ab) = (link.latency.unwrap(), link.bandwidth.unwrap());
+            let (lo, hi) = if same { LAT_INTRA } else { LAT_INTER };
+            prop_assert!(lat_ab >= lo * (1.0 - NOISE) && lat_ab <= hi * (1.0 + NOISE), "{}", lat_ab);
+            let (lo, hi) = if same { BW_INTRA } else { BW_INTER };
+            prop_assert!(bw_ab >= lo * (1.0 - NOISE) && bw_ab <= hi * (1.0 + NOISE), "{}", bw_ab);
+        }
     }
 
     #[test]
@@ -212,6 +226,23 @@ fn one_direction_may_be_missing_and_asymmetry_is_averaged() {
     assert_eq!(inf.groups, vec![vec![0, 1], vec![2, 3]], "{}", inf.reason);
     assert!(inf.reason.contains("2 hosts (2+2 ranks)"), "{}", inf.reason);
     assert!(inf.confidence > 0.9, "{}", inf.confidence);
+
+    // The measurements are kept as links: symmetrized, one per pair, shm inside a host.
+    let (topo, again) = infer_topology(Some(&lat), None, &ProbeOptions::default()).unwrap();
+    assert_eq!(again, inf);
+    assert_eq!(topo.links.len(), 6);
+    let latency = |a, b| topo.link(a, b).and_then(|l| l.latency).unwrap() / US;
+    let close = |x: f64, y: f64| (x - y).abs() < 1e-9 * y;
+    assert!(close(latency(0, 1), 1.0), "{}", latency(0, 1)); // one direction only
+    assert!(close(latency(3, 2), 1.0), "{}", latency(3, 2)); // sqrt(0.5 * 2)
+    assert!(
+        close(latency(2, 1), (70.0f64 * 60.0).sqrt()),
+        "{}",
+        latency(2, 1)
+    );
+    assert!(topo.links.iter().all(|l| l.bandwidth.is_none()));
+    assert_eq!(topo.default_class(0, 1), Some(LinkClass::Shm));
+    assert_eq!(topo.default_class(1, 2), Some(LinkClass::Tcp));
 }
 
 #[test]
