@@ -195,19 +195,24 @@ fn infer(
     let mut all_alike = true;
     for (i, near_i) in near.iter_mut().enumerate() {
         let rows: Vec<Row> = metrics.iter().map(|m| classify(&m.dist, i, gap)).collect();
-        let gaps: Vec<&Vec<usize>> = rows
+        // The near set of each metric that shows a jump, as a membership mask.
+        let masks: Vec<Vec<bool>> = rows
             .iter()
-            .filter_map(|r| if let Row::Gap(s) = r { Some(s) } else { None })
+            .filter_map(|r| match r {
+                Row::Gap(set) => {
+                    let mut mask = vec![false; n];
+                    set.iter().for_each(|&j| mask[j] = true);
+                    Some(mask)
+                }
+                _ => None,
+            })
             .collect();
         all_alike &= rows.iter().all(|r| matches!(r, Row::Alike));
-        if let Some(first) = gaps.first() {
-            for &j in first.iter() {
-                near_i[j] = gaps.iter().all(|s| s.contains(&j));
+        if let Some(first) = masks.first() {
+            for (j, slot) in near_i.iter_mut().enumerate() {
+                *slot = masks.iter().all(|m| m[j]);
             }
-            if gaps
-                .iter()
-                .any(|s| s.len() != first.len() || s.iter().any(|j| !first.contains(j)))
-            {
+            if masks.iter().any(|m| m != first) {
                 disagree.push(i);
             }
         } else if rows.iter().any(|r| matches!(r, Row::Unclear)) {

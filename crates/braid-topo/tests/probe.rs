@@ -393,3 +393,22 @@ fn bad_measurements_are_named() {
         "latency matrix: same-host limit -1",
     );
 }
+
+#[test]
+fn a_large_world_is_recovered() {
+    // 64 hosts of 8 ranks, ranks dealt out in a scrambled order.
+    let (hosts, per_host) = (64, 8);
+    let mut rng = Rng::new(7);
+    let mut host_of: Vec<usize> = (0..hosts * per_host).map(|r| r % hosts).collect();
+    for i in (1..host_of.len()).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        host_of.swap(i, j);
+    }
+    let w = World { host_of, hosts };
+    let lat = w.matrix(11, LAT_INTRA, LAT_INTER, NOISE);
+    let bw = w.matrix(12, BW_INTRA, BW_INTER, NOISE);
+    let inf = infer_hosts(Some(&lat), Some(&bw), &ProbeOptions::default()).unwrap();
+    assert_eq!(inf.groups, w.expected_groups(), "{}", inf.reason);
+    assert!(inf.reason.starts_with("64 hosts (8+8+"), "{}", inf.reason);
+    assert!(inf.topology().unwrap().is_uniform());
+}
