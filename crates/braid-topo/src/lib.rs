@@ -11,8 +11,8 @@
 //!
 //! On top of the model: [`ring_order`] (a ring that crosses between hosts once per host),
 //! [`Topology::host_groups`], [`Topology::local_rank`], [`Topology::is_uniform`], and a readable
-//! summary ([`Topology::describe`], also `Display`). It knows nothing of data, performs no I/O beyond
-//! reading sysfs and topology files, and contains no `unsafe` code.
+//! summary ([`Topology::describe`], also `Display`). It knows nothing of data; its only I/O is reading
+//! sysfs and reading or writing topology files; it contains no `unsafe` code.
 //!
 //! # The topology file (`BRAID_TOPO_FILE`)
 //!
