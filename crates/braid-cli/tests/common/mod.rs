@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod netns;
+pub mod scenarios;
 
 use std::io::Read;
 use std::path::PathBuf;
