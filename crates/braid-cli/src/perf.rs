@@ -234,14 +234,26 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
         recv: vec![0u8; max],
         factor,
     };
-    let all_algos = a.algo.as_deref() == Some("all");
-    if let Some(name) = a.algo.as_deref().filter(|n| *n != "all") {
-        comm.set_algorithm(Collective::AllReduce, Some(name.parse::<Algo>()?))?;
+    let candidates: Vec<Algo> = match a.algo.as_deref() {
+        Some("all") => Collective::AllReduce.algos().to_vec(),
+        Some(list) => list
+            .split(',')
+            .map(str::parse::<Algo>)
+            .collect::<Result<_, _>>()?,
+        None => Vec::new(),
+    };
+    let all_algos = candidates.len() > 1;
+    if let [only] = candidates[..] {
+        comm.set_algorithm(Collective::AllReduce, Some(only))?;
     }
     if rank == 0 {
         println!(
-            "# braid perf: {world} ranks over shared memory, {} {}, {} iterations after {} warm-up",
-            dtype, op, a.iters, a.warmup
+            "# braid perf: {world} ranks over {}, {} {}, {} iterations after {} warm-up",
+            comm.transports_summary(),
+            dtype,
+            op,
+            a.iters,
+            a.warmup
         );
         if all_algos {
             print_algo_header();
@@ -295,7 +307,7 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
             // Check and time each algorithm, then time them again in interleaved rounds: on a shared
             // machine a single batch is at the mercy of whatever else runs; the median of the rounds is not.
             let mut times: std::collections::BTreeMap<&'static str, Vec<f64>> = Default::default();
-            for algo in Collective::AllReduce.algos() {
+            for algo in &candidates {
                 comm.set_algorithm(Collective::AllReduce, Some(*algo))?;
                 let c = bench.measure(bytes, false, &want)?;
                 total_wrong += c.wrong;
@@ -303,7 +315,7 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
                 cells.insert(algo.name(), c);
             }
             for _ in 1..ALGO_ROUNDS {
-                for algo in Collective::AllReduce.algos() {
+                for algo in &candidates {
                     comm.set_algorithm(Collective::AllReduce, Some(*algo))?;
                     let t = bench.time_only(bytes, false)?;
                     times.entry(algo.name()).or_default().push(t);

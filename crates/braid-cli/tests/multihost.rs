@@ -24,6 +24,29 @@ fn rank_main(scenario: &str) -> i32 {
             return 1;
         }
     };
+    // Ranks sit on host `rank % hosts`: shared memory inside a host (unless TCP is forced), TCP across.
+    let n_hosts: usize = std::env::var("TEST_HOSTS").unwrap().parse().unwrap();
+    let tcp_only = std::env::var("BRAID_TRANSPORT").as_deref() == Ok("tcp");
+    for (p, route) in c.peer_transports().iter().enumerate() {
+        let want = if p == c.rank() {
+            "self"
+        } else if p % n_hosts == c.rank() % n_hosts && !tcp_only {
+            "shm"
+        } else {
+            "tcp"
+        };
+        if *route != want {
+            println!(
+                "rank {} reaches rank {p} over {route}, expected {want}",
+                c.rank()
+            );
+            return 1;
+        }
+    }
+    if c.hosts().len() != n_hosts.min(c.world_size()) {
+        println!("rank {} sees hosts {:?}", c.rank(), c.hosts());
+        return 1;
+    }
     match scenario {
         "algorithms" => {
             let n = scenario_algorithms(&c);
@@ -65,6 +88,7 @@ fn run_ranks(
                 .env("BRAID_ROOT", format!("{}:{PORT}", hosts.addr(0)))
                 .env("BRAID_SECRET", SECRET)
                 .env("BRAID_TIMEOUT_MS", "60000")
+                .env("TEST_HOSTS", hosts.n().to_string())
                 .envs(env.iter().copied())
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())

@@ -43,6 +43,10 @@ pub struct Communicator {
 struct Inner {
     rank: usize,
     world: usize,
+    /// How each peer is reached ("self", "shm" or "tcp"), indexed by rank.
+    routes: Vec<&'static str>,
+    /// The ranks of each host.
+    hosts: Vec<Vec<usize>>,
     config: Config,
     exec: Mutex<Executor>,
     queue: Mutex<VecDeque<Arc<Task>>>,
@@ -377,13 +381,20 @@ impl Communicator {
         let abort = Arc::new(AtomicBool::new(false));
         let maps = transport.as_ref().map(Transport::handle);
         debug!(rank, world, "communicator ready");
+        let routes: Vec<&'static str> = match &transport {
+            Some(t) => t.routes().iter().map(|r| r.name()).collect(),
+            None => vec![Route::Local.name()],
+        };
+        let hosts = host_groups(&table);
         let mut executor =
             Executor::new(rank, world, config.clone(), tuner, transport, abort.clone());
-        executor.set_hosts(host_groups(&table));
+        executor.set_hosts(hosts.clone());
         let recorder = executor.recorder.clone();
         let inner = Inner {
             rank,
             world,
+            routes,
+            hosts,
             exec: Mutex::new(executor),
             recorder,
             config,
@@ -416,6 +427,38 @@ impl Communicator {
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
         self.inner.world
+    }
+
+    /// How this rank reaches each rank: `"self"`, `"shm"` or `"tcp"`, indexed by rank.
+    pub fn peer_transports(&self) -> &[&'static str] {
+        &self.inner.routes
+    }
+
+    /// The ranks of each host, as the communicator groups them (hosts in order of their first rank).
+    pub fn hosts(&self) -> &[Vec<usize>] {
+        &self.inner.hosts
+    }
+
+    /// A one-line summary of the transports in use, e.g. `shm+tcp, 2 hosts`.
+    pub fn transports_summary(&self) -> String {
+        let mut kinds: Vec<&str> = self
+            .inner
+            .routes
+            .iter()
+            .copied()
+            .filter(|r| *r != "self")
+            .collect();
+        kinds.sort_unstable();
+        kinds.dedup();
+        let kinds = if kinds.is_empty() {
+            "nothing (one rank)".to_string()
+        } else {
+            kinds.join("+")
+        };
+        match self.inner.hosts.len() {
+            1 => format!("{kinds}, 1 host"),
+            h => format!("{kinds}, {h} hosts"),
+        }
     }
 
     /// The configuration in effect.

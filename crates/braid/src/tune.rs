@@ -538,7 +538,11 @@ mod tests {
     fn hier_is_chosen_across_hosts_for_large_messages_only() {
         let mut t = Tuner::new(4, AlgoPolicy::default(), None, 128 << 10, 16 << 10);
         for bytes in [8, 1 << 20, 64 << 20] {
-            assert_ne!(t.pick(Collective::AllReduce, bytes), Algo::Hier, "one host, {bytes} B");
+            assert_ne!(
+                t.pick(Collective::AllReduce, bytes),
+                Algo::Hier,
+                "one host, {bytes} B"
+            );
         }
         t.set_hosts(vec![2, 2]);
         assert_eq!(t.pick(Collective::AllReduce, 64 << 20), Algo::Hier);
