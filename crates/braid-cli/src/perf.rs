@@ -256,7 +256,7 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
             a.warmup
         );
         if all_algos {
-            print_algo_header();
+            print_algo_header(&candidates);
         } else {
             print_header();
         }
@@ -350,6 +350,7 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
                         pick.name(),
                         best,
                         bound_busbw,
+                        &candidates,
                     )
                 });
                 report.algos.push(AlgoRow {
@@ -471,10 +472,9 @@ fn print_header() {
         "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "", "(GB/s)", "");
 }
 
-fn print_algo_header() {
+fn print_algo_header(candidates: &[Algo]) {
     println!("# out-of-place busbw (GB/s) per algorithm; * marks the fastest, < the tuner's pick");
-    let names: Vec<String> = Collective::AllReduce
-        .algos()
+    let names: Vec<String> = candidates
         .iter()
         .map(|a| format!("{:>10}", a.name()))
         .collect();
@@ -502,9 +502,9 @@ fn print_algo_row(
     pick: &str,
     best: &str,
     bound: f64,
+    candidates: &[Algo],
 ) {
-    let cols: Vec<String> = Collective::AllReduce
-        .algos()
+    let cols: Vec<String> = candidates
         .iter()
         .map(|a| {
             let c = cells[a.name()];
@@ -517,7 +517,10 @@ fn print_algo_row(
             format!("{:>8.2}{mark}", c.busbw)
         })
         .collect();
-    let ratio = cells[best].time_us / cells[pick].time_us;
+    // The pick may be outside the measured list; then there is no ratio to show.
+    let ratio = cells
+        .get(pick)
+        .map_or(f64::NAN, |p| cells[best].time_us / p.time_us);
     println!(
         "  {:>10} {:>12} {:>8} {:>6} | {} | {:>6} {:>6} {:>8.0}% {:>8.2}",
         bytes,
