@@ -43,7 +43,7 @@ fn rank_main(scenario: &str) -> i32 {
             return 1;
         }
     }
-    if c.hosts().len() != n_hosts.min(c.world_size()) {
+    if scenario != "probe" && c.hosts().len() != n_hosts.min(c.world_size()) {
         println!("rank {} sees hosts {:?}", c.rank(), c.hosts());
         return 1;
     }
@@ -51,6 +51,23 @@ fn rank_main(scenario: &str) -> i32 {
         "algorithms" => {
             let n = scenario_algorithms(&c);
             println!("rank {} ok: {n} checks", c.rank());
+            0
+        }
+        "probe" => {
+            // Every host reported the same identity; probing must still find rank r on host r % n.
+            let want: Vec<Vec<usize>> = (0..n_hosts)
+                .map(|h| (0..c.world_size()).filter(|r| r % n_hosts == h).collect())
+                .collect();
+            if c.hosts() != want {
+                println!(
+                    "rank {} probed hosts {:?}, expected {want:?}",
+                    c.rank(),
+                    c.hosts()
+                );
+                return 1;
+            }
+            let n = scenario_algorithms(&c);
+            println!("rank {} ok: probed {:?}, {n} checks", c.rank(), c.hosts());
             0
         }
         other => {
@@ -186,6 +203,47 @@ fn test_collectives_across_hosts() -> Result<(), String> {
     Ok(())
 }
 
+/// With every host reporting one identity (as in clouds that hide placement), probing latency and
+/// bandwidth at start-up recovers which ranks share a host.
+fn test_probing_recovers_hidden_hosts() -> Result<(), String> {
+    netns::qdisc_available(
+        "tbf",
+        &["rate", "1gbit", "burst", "125000", "latency", "50ms"],
+    )?;
+    let hosts = Hosts::up(
+        2,
+        Opts {
+            rate: Some("1gbit".into()),
+            ..Opts::default()
+        },
+    )?;
+    for per_host in [2, 3] {
+        let start = Instant::now();
+        let outs = run_ranks(
+            &hosts,
+            2 * per_host,
+            "probe",
+            &[
+                ("BRAID_TRANSPORT", "tcp"),
+                ("BRAID_HOST_ID", "one-big-host"),
+                ("BRAID_TOPO_PROBE", "1"),
+                ("BRAID_CHUNK_BYTES", "16384"),
+            ],
+            Duration::from_secs(240),
+        );
+        let line = outs
+            .iter()
+            .find_map(|o| o.lines().find(|l| l.contains("ok: probed")))
+            .unwrap_or_default()
+            .to_string();
+        println!(
+            "  2 hosts × {per_host} ranks, one identity: {line} ({:.1} s)",
+            start.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
 type Case = fn() -> Result<(), String>;
 
 fn main() {
@@ -196,10 +254,16 @@ fn main() {
     if args.iter().any(|a| a == "--list") {
         return;
     }
-    let tests: [(&str, Case); 1] = [(
-        "every collective across namespaced hosts, tcp and shm+tcp",
-        test_collectives_across_hosts,
-    )];
+    let tests: [(&str, Case); 2] = [
+        (
+            "every collective across namespaced hosts, tcp and shm+tcp",
+            test_collectives_across_hosts,
+        ),
+        (
+            "probing recovers hosts that all report one identity",
+            test_probing_recovers_hidden_hosts,
+        ),
+    ];
     if let Err(why) = netns::available() {
         for (name, _) in tests {
             println!("test {name} ... skipped: {why}");

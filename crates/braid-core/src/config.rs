@@ -98,6 +98,15 @@ pub struct Config {
     /// This rank's host identity, overriding detection (`BRAID_HOST_ID`). Ranks with equal identities
     /// are on one host.
     pub host_id: Option<String>,
+    /// A topology file that says which ranks share a host (`BRAID_TOPO_FILE`); it shapes the
+    /// algorithms, while identities still decide which peers can use shared memory.
+    pub topo_file: Option<std::path::PathBuf>,
+    /// Infer which ranks share a host by measuring latency and bandwidth between every pair at start-up
+    /// (`BRAID_TOPO_PROBE`), for clouds where host identities do not tell.
+    pub topo_probe: bool,
+    /// Rank 0 writes the topology in use to this file, in the `BRAID_TOPO_FILE` format
+    /// (`BRAID_TOPO_DUMP_FILE`).
+    pub topo_dump_file: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -118,6 +127,9 @@ impl Default for Config {
             sockets_per_peer: 1,
             socket_ifname: None,
             host_id: None,
+            topo_file: None,
+            topo_probe: false,
+            topo_dump_file: None,
         }
     }
 }
@@ -206,6 +218,16 @@ impl Config {
         }
         if let Some(v) = lookup("BRAID_HOST_ID") {
             c.host_id = Some(v.trim().to_string()).filter(|v| !v.is_empty());
+        }
+        if let Some(v) = lookup("BRAID_TOPO_FILE") {
+            c.topo_file = Some(std::path::PathBuf::from(v)).filter(|p| !p.as_os_str().is_empty());
+        }
+        if let Some(v) = lookup("BRAID_TOPO_PROBE") {
+            c.topo_probe = parse_bool("BRAID_TOPO_PROBE", &v)?;
+        }
+        if let Some(v) = lookup("BRAID_TOPO_DUMP_FILE") {
+            c.topo_dump_file =
+                Some(std::path::PathBuf::from(v)).filter(|p| !p.as_os_str().is_empty());
         }
         if let Some(v) = lookup("BRAID_DEBUG") {
             c.debug = match v.trim().to_ascii_lowercase().as_str() {

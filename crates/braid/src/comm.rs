@@ -47,6 +47,8 @@ struct Inner {
     routes: Vec<&'static str>,
     /// The ranks of each host.
     hosts: Vec<Vec<usize>>,
+    /// Where the ranks are, as the communicator decided it.
+    topology: braid_topo::Topology,
     config: Config,
     exec: Mutex<Executor>,
     queue: Mutex<VecDeque<Arc<Task>>>,
@@ -119,16 +121,47 @@ impl<R: 'static> Work<R> {
 }
 
 /// The identity of this host: equal strings mean the same kernel (and the same `/dev/shm`).
-/// The ranks of each host, hosts in order of their first rank.
-fn host_groups(table: &[PeerInfo]) -> Vec<Vec<usize>> {
-    let mut hosts: Vec<(&str, Vec<usize>)> = Vec::new();
-    for (r, info) in table.iter().enumerate() {
-        match hosts.iter_mut().find(|(h, _)| *h == info.host) {
-            Some((_, ranks)) => ranks.push(r),
-            None => hosts.push((&info.host, vec![r])),
+/// Where the ranks are: the topology file if there is one, else what probing infers if asked, else the
+/// grouping by host identity. Rank 0 writes it to `BRAID_TOPO_DUMP_FILE` if set.
+fn choose_topology(
+    config: &Config,
+    table: &[PeerInfo],
+    transport: Option<&Transport>,
+    rank: usize,
+    deadline: Instant,
+) -> Result<braid_topo::Topology, Error> {
+    let world = table.len();
+    let topology = if let Some(path) = &config.topo_file {
+        let t = braid_topo::Topology::load(path)
+            .and_then(|t| t.check_world_size(world).map(|_| t))
+            .map_err(|e| Error::invalid(format!("BRAID_TOPO_FILE={}: {e}", path.display())))?;
+        debug!(rank, hosts = t.hosts.len(), "topology from file");
+        t
+    } else if let (true, Some(t)) = (config.topo_probe, transport) {
+        let (lat, bw) = crate::probe::measure(t, rank, world, deadline)?;
+        let (topology, inference) =
+            braid_topo::infer_topology(Some(&lat), Some(&bw), &braid_topo::ProbeOptions::default())
+                .map_err(|e| Error::Bootstrap(format!("BRAID_TOPO_PROBE: {e}")))?;
+        if rank == 0 {
+            tracing::info!(
+                groups = ?inference.groups,
+                confidence = inference.confidence,
+                "probed topology: {}",
+                inference.reason
+            );
         }
+        topology
+    } else {
+        let ids: Vec<&str> = table.iter().map(|i| i.host.as_str()).collect();
+        braid_topo::Topology::from_identities(&ids)
+            .map_err(|e| Error::Bootstrap(format!("host identities: {e}")))?
+    };
+    if let (0, Some(path)) = (rank, &config.topo_dump_file) {
+        topology
+            .save(path)
+            .map_err(|e| Error::invalid(format!("BRAID_TOPO_DUMP_FILE={}: {e}", path.display())))?;
     }
-    hosts.into_iter().map(|(_, ranks)| ranks).collect()
+    Ok(topology)
 }
 
 /// How this rank reaches each peer: shared memory when both are on one host and both have a segment,
@@ -385,7 +418,8 @@ impl Communicator {
             Some(t) => t.routes().iter().map(|r| r.name()).collect(),
             None => vec![Route::Local.name()],
         };
-        let hosts = host_groups(&table);
+        let topology = choose_topology(&config, &table, transport.as_ref(), rank, deadline)?;
+        let hosts = topology.host_groups();
         let mut executor =
             Executor::new(rank, world, config.clone(), tuner, transport, abort.clone());
         executor.set_hosts(hosts.clone());
@@ -395,6 +429,7 @@ impl Communicator {
             world,
             routes,
             hosts,
+            topology,
             exec: Mutex::new(executor),
             recorder,
             config,
@@ -437,6 +472,12 @@ impl Communicator {
     /// The ranks of each host, as the communicator groups them (hosts in order of their first rank).
     pub fn hosts(&self) -> &[Vec<usize>] {
         &self.inner.hosts
+    }
+
+    /// The topology in use: from `BRAID_TOPO_FILE`, from probing (`BRAID_TOPO_PROBE`), or from the host
+    /// identities exchanged at bootstrap.
+    pub fn topology(&self) -> &braid_topo::Topology {
+        &self.inner.topology
     }
 
     /// A one-line summary of the transports in use, e.g. `shm+tcp, 2 hosts`.
