@@ -47,6 +47,9 @@ pub(crate) fn partner(n: usize, rank: usize, round: usize) -> Option<usize> {
     (other < n && other != rank).then_some(other)
 }
 
+/// Measurements between ranks, `[from][to]`.
+pub(crate) type Matrix = Vec<Vec<f64>>;
+
 /// Rounds of the tournament.
 pub(crate) fn rounds(n: usize) -> usize {
     (n + n % 2).saturating_sub(1)
@@ -59,7 +62,7 @@ pub(crate) fn measure(
     rank: usize,
     world: usize,
     deadline: Instant,
-) -> Result<(Vec<Vec<f64>>, Vec<Vec<f64>>), Error> {
+) -> Result<(Matrix, Matrix), Error> {
     let abort = AtomicBool::new(false);
     let now = Instant::now();
     let ctx = WaitCtx {
