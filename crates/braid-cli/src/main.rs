@@ -68,8 +68,8 @@ enum Cmd {
         /// Also write the results as JSON to this file.
         #[arg(long)]
         json: Option<String>,
-        /// All-reduce algorithm: ring, tree, rhd, direct, or `all` to measure each (and mark the tuner's
-        /// pick). Default: braid chooses.
+        /// All-reduce algorithm: ring, tree, rhd, direct, hier; a comma-separated list (`ring,hier`) or
+        /// `all` to measure each side by side (and mark the tuner's pick). Default: braid chooses.
         #[arg(long)]
         algo: Option<String>,
         /// Also plot busbw against size (log-log) to this PNG file.
@@ -245,8 +245,10 @@ fn main() {
                 if min_bytes > max_bytes {
                     return Err(format!("-b {min_bytes} is larger than -e {max_bytes}"));
                 }
-                if let Some(a) = algo.as_deref().filter(|a| *a != "all") {
-                    a.parse::<braid::Algo>().map_err(|e| e.to_string())?;
+                if let Some(list) = algo.as_deref().filter(|a| *a != "all") {
+                    for a in list.split(',') {
+                        a.parse::<braid::Algo>().map_err(|e| e.to_string())?;
+                    }
                 }
                 Ok(perf::PerfArgs {
                     min_bytes,

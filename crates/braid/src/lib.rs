@@ -22,11 +22,13 @@ mod comm;
 mod exec;
 mod id;
 mod job;
+mod probe;
 pub mod recorder;
 pub mod tune;
 pub mod wire;
 
 pub use braid_core::{Config, DType, DebugLevel, Element, Error, ReduceOp, Result};
+pub use braid_topo;
 pub use comm::{Communicator, Work};
 pub use id::UniqueId;
 pub use job::JobEnv;

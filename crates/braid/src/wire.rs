@@ -41,8 +41,10 @@ pub struct PeerInfo {
     pub pid: u32,
     /// Host identity (hostname and boot id); equal strings mean the same kernel.
     pub host: String,
-    /// Path of the rank's shared-memory segment.
+    /// Path of the rank's shared-memory segment (empty without one).
     pub shm_path: String,
+    /// Address where the rank accepts TCP connections from peers (empty without one).
+    pub tcp_addr: String,
 }
 
 /// A bootstrap message.
@@ -114,6 +116,7 @@ impl<'a> Reader<'a> {
             pid: self.u32("pid")?,
             host: self.string("host")?,
             shm_path: self.string("shm path")?,
+            tcp_addr: self.string("tcp address")?,
         })
     }
     fn end(&self) -> Result<(), DecodeError> {
@@ -134,6 +137,7 @@ fn put_info(out: &mut Vec<u8>, i: &PeerInfo) {
     out.extend(i.pid.to_le_bytes());
     put_str(out, &i.host);
     put_str(out, &i.shm_path);
+    put_str(out, &i.tcp_addr);
 }
 
 impl Msg {
@@ -361,11 +365,14 @@ mod tests {
     use proptest::prelude::*;
 
     fn info() -> impl Strategy<Value = PeerInfo> {
-        (any::<u32>(), ".{0,40}", ".{0,80}").prop_map(|(pid, host, shm_path)| PeerInfo {
-            pid,
-            host,
-            shm_path,
-        })
+        (any::<u32>(), ".{0,40}", ".{0,80}", ".{0,50}").prop_map(
+            |(pid, host, shm_path, tcp_addr)| PeerInfo {
+                pid,
+                host,
+                shm_path,
+                tcp_addr,
+            },
+        )
     }
 
     fn msg() -> impl Strategy<Value = Msg> {
@@ -451,6 +458,7 @@ mod tests {
                 pid: 1,
                 host: "h".into(),
                 shm_path: "p".into(),
+                tcp_addr: String::new(),
             },
             slots: 2,
             slot_bytes: 64,
