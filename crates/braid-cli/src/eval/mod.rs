@@ -4,7 +4,8 @@
 //! warnings (low density with Adam). Rank 0 prints the table and draws the curves.
 //!
 //! Each rank computes the gradient of its shard of every global batch (the global batch does not depend on
-//! the rank count) and hands it to a [`sync::GradSync`]; the synchronised gradient goes to the optimizer.
+//! the rank count) and hands it to a [`sync::GradSync`]; the synchronised gradient goes to the optimizer,
+//! whose learning rate follows a cosine schedule down to zero at the last step.
 //! At the end of every run the ranks compare a hash of their parameters: they must be bit-identical.
 
 mod data;
@@ -237,6 +238,7 @@ fn train(
         data.gather(&idx, &mut xs, &mut ys);
         grad.fill(0.0);
         let loss = net.loss_and_grad(&params, &xs, &ys, scale, &mut grad, &mut ws);
+        optimizer.set_lr(lr * optim::cosine(step, args.steps));
         let info = sync
             .sync(comm, &mut grad, step)
             .map_err(|e| format!("{setting}, {opt}, step {step}: {e}"))?;

@@ -93,6 +93,13 @@ impl Optimizer {
         }
     }
 
+    /// Sets the learning rate (for a schedule).
+    pub fn set_lr(&mut self, rate: f32) {
+        match self {
+            Optimizer::Sgd { lr, .. } | Optimizer::Adam { lr, .. } => *lr = rate,
+        }
+    }
+
     /// Applies one step of `grad` to `params`.
     pub fn step(&mut self, params: &mut [f32], grad: &[f32]) {
         match self {
@@ -135,6 +142,12 @@ impl Optimizer {
             }
         }
     }
+}
+
+/// The cosine schedule's factor at `step` of `steps`: `(1 + cos(π · step / steps)) / 2`, from 1 down
+/// towards 0, so runs end with small steps and their final losses are not one noisy snapshot.
+pub fn cosine(step: u64, steps: u64) -> f32 {
+    (0.5 * (1.0 + (std::f64::consts::PI * step as f64 / steps.max(1) as f64).cos())) as f32
 }
 
 #[cfg(test)]
@@ -182,6 +195,25 @@ mod tests {
             opt.step(&mut p, &[g, -g]);
             assert!(close(p[0], -0.01) && close(p[1], 0.01), "g {g}: {p:?}");
         }
+    }
+
+    #[test]
+    fn set_lr_changes_the_next_step_only() {
+        let mut opt = Optimizer::sgd(0.1, 1);
+        let mut p = [0.0f32];
+        opt.step(&mut p, &[1.0]); // v = 1, p = -0.1
+        opt.set_lr(0.01);
+        opt.step(&mut p, &[1.0]); // v = 1.9, p = -0.1 - 0.019
+        assert!(close(p[0], -0.119), "{p:?}");
+    }
+
+    /// Half a cosine from the base rate to zero.
+    #[test]
+    fn cosine_schedule_runs_from_full_to_zero() {
+        assert_eq!(cosine(0, 100), 1.0);
+        assert!((cosine(50, 100) - 0.5).abs() < 1e-6);
+        assert!(cosine(99, 100) < 0.001);
+        assert!(cosine(25, 100) > cosine(75, 100));
     }
 
     #[test]
