@@ -439,7 +439,7 @@ pub fn table(report: &Report) -> String {
         }
         let _ = writeln!(
             s,
-            "{:<18} {:<5} {:>10.4} {:>10.4} {:>8.1}% {:>9} {:>12} {:>6.1}x {:>8.2}  {}",
+            "{:<18} {:<5} {:>10.4} {:>10.4} {:>8.1}% {:>9} {:>12} {:>7} {:>8.2}  {}",
             r.setting,
             r.optimizer,
             r.initial_train_loss,
@@ -447,7 +447,11 @@ pub fn table(report: &Report) -> String {
             100.0 * r.test_accuracy,
             rel,
             mb(r.sent_bytes),
-            r.dense_sent_bytes as f64 / r.sent_bytes.max(1) as f64,
+            // One rank sends nothing either way.
+            match r.sent_bytes {
+                0 => "-".to_string(),
+                sent => format!("{:.1}x", r.dense_sent_bytes as f64 / sent as f64),
+            },
             r.seconds,
             note.join("; ")
         );
