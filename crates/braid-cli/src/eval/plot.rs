@@ -50,19 +50,26 @@ pub fn lines(path: &str, title: &str, y_desc: &str, series: &[Series]) -> Result
         .margin(15)
         .x_label_area_size(45)
         .y_label_area_size(70)
-        .build_cartesian_2d(0f64..xmax, (ymin * 0.9..ymax * 1.1).log_scale())
+        // The y axis holds log10 of the values on a linear scale, labelled with the values: ticks then fall
+        // inside the range even when it spans less than a decade.
+        .build_cartesian_2d(0f64..xmax, (ymin * 0.9).log10()..(ymax * 1.1).log10())
         .map_err(|e| e.to_string())?;
     chart
         .configure_mesh()
         .x_desc("step")
         .y_desc(y_desc)
-        .y_label_formatter(&|y| format!("{y:.3}"))
+        .x_label_formatter(&|x| format!("{x:.0}"))
+        .y_labels(8)
+        .y_label_formatter(&|y| format!("{:.3}", 10f64.powf(*y)))
         .draw()
         .map_err(|e| e.to_string())?;
     for (i, name, pts) in &kept {
         let color = Palette99::pick(*i).to_rgba();
         chart
-            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))
+            .draw_series(LineSeries::new(
+                pts.iter().map(|(x, y)| (*x, y.log10())),
+                color.stroke_width(2),
+            ))
             .map_err(|e| e.to_string())?
             .label(name.to_string())
             .legend(move |(x, y)| {
