@@ -74,6 +74,10 @@ enum Cmd {
         #[arg(long)]
         plot: Option<String>,
     },
+    /// Print the topology. Alone: this host's NUMA nodes, GPUs and NICs. Started by a launcher
+    /// (`braid run -n N -- braid topo`, or across hosts): where every rank is, how each peer is reached,
+    /// and, with BRAID_TOPO_PROBE=1, what probing measured. BRAID_TOPO_DUMP_FILE writes it as a file.
+    Topo,
     /// Measure every all-reduce algorithm at every size and write the fastest per size to a tuning file
     /// (use it with BRAID_TUNE_FILE).
     Tune {
@@ -105,6 +109,7 @@ fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
         Cmd::Run { n, command } => launch::run(n, &command[0], &command[1..], &[]),
+        Cmd::Topo => topo_main(),
         Cmd::Tune {
             ranks,
             output,
@@ -173,6 +178,44 @@ fn main() {
         }
     };
     std::process::exit(code);
+}
+
+fn topo_main() -> i32 {
+    if !JobEnv::present() {
+        let host = braid::braid_topo::detect_local();
+        match braid::braid_topo::Topology::single_host(host, 1, braid::braid_topo::Source::Detected)
+        {
+            Ok(t) => {
+                print!("{}", t.describe());
+                0
+            }
+            Err(e) => {
+                eprintln!("braid topo: {e}");
+                1
+            }
+        }
+    } else {
+        let comm = match Communicator::from_env() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("braid topo: {e}");
+                return 1;
+            }
+        };
+        if comm.rank() == 0 {
+            print!("{}", comm.topology().describe());
+            println!("transports: {}", comm.transports_summary());
+            println!("rank 0 reaches: {}", comm.peer_transports().join(" "));
+        }
+        // Nobody leaves before rank 0 has printed.
+        match comm.barrier() {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("braid topo: {e}");
+                1
+            }
+        }
+    }
 }
 
 fn perf_main(ranks: Option<usize>, args: &perf::PerfArgs) -> i32 {
