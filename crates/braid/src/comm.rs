@@ -164,6 +164,27 @@ fn choose_topology(
     Ok(topology)
 }
 
+/// The link between hosts as probing measured it (median latency and bandwidth over every pair of ranks
+/// on different hosts), for the tuner's model.
+fn measured_tcp_link(t: &braid_topo::Topology) -> Option<crate::tune::LinkParams> {
+    if t.source != braid_topo::Source::Probed {
+        return None;
+    }
+    let median = |mut v: Vec<f64>| {
+        v.retain(|x| x.is_finite() && *x > 0.0);
+        v.sort_by(f64::total_cmp);
+        (!v.is_empty()).then(|| v[v.len() / 2])
+    };
+    let between = || t.links.iter().filter(|l| !l.class.is_intra_host());
+    let latency = median(between().filter_map(|l| l.latency).collect())?;
+    let bandwidth = median(between().filter_map(|l| l.bandwidth).collect())?;
+    Some(crate::tune::LinkParams {
+        alpha_us: latency * 1e6,
+        beta_us_per_byte: 1e6 / bandwidth,
+        gamma_us_per_byte: crate::tune::LinkParams::SHM_DEFAULT.gamma_us_per_byte,
+    })
+}
+
 /// How this rank reaches each peer: shared memory when both are on one host and both have a segment,
 /// TCP otherwise. Both sides of a pair decide alike from the same table.
 fn routes(rank: usize, table: &[PeerInfo], config: &Config) -> Result<Vec<Route>, Error> {
@@ -423,6 +444,10 @@ impl Communicator {
         let mut executor =
             Executor::new(rank, world, config.clone(), tuner, transport, abort.clone());
         executor.set_hosts(hosts.clone());
+        if let Some(link) = measured_tcp_link(&topology) {
+            debug!(rank, ?link, "link between hosts, as probed");
+            executor.tuner.set_tcp_link(link);
+        }
         let recorder = executor.recorder.clone();
         let inner = Inner {
             rank,
