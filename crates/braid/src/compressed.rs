@@ -5,8 +5,10 @@
 //!
 //! * fp16/bf16 casts and random-k with a shared seed are closed under addition, so their compressed form
 //!   rides the ordinary all-reduce ([`CompressedPath::SumClosed`]);
-//! * PowerSGD sums its two factors one at a time, orthogonalising in between
-//!   ([`CompressedPath::PowerIteration`]);
+//! * PowerSGD sums its two factors one at a time, orthogonalising in between, and warm-starts from the
+//!   last summed `Q` ([`CompressedPath::PowerIteration`]); each rank's error buffer keeps what its own share
+//!   of the approximation, `P·(Mᵀ·P)ᵀ`, missed, so the ranks' errors add up to what the summed
+//!   approximation missed;
 //! * top-k carries per-rank indices: ranks all-gather their `(index, value)` pairs and every rank sums them
 //!   in rank order ([`CompressedPath::SparseAllGather`]), unless the union would be dense enough that a
 //!   dense all-reduce of the sparse updates is cheaper ([`CompressedPath::SparseDenseSwitch`], SparCML);
@@ -257,7 +259,8 @@ pub struct CompressionConfig {
     pub error_feedback: bool,
     /// Weight of the remembered error in `[0, 1]` (`None`: 1). Ignored without error feedback.
     pub decay: Option<f32>,
-    /// L2 bound the local gradient is clipped to before compression (`None`: no clipping).
+    /// L2 bound the local gradient is clipped to before compression, on every path including the dense
+    /// one (`None`: no clipping).
     pub clip_norm: Option<f32>,
     /// Top-k only: when the ranks' non-zeros add up to more than `dense_switch · len`, the sparse updates
     /// are all-reduced densely instead of all-gathered (≥ 0; infinity never switches).
