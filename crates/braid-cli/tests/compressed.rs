@@ -46,6 +46,7 @@ fn rank_main(scenario: &str, args: &[String]) -> i32 {
             scenario::every_codec(&c)
                 + scenario::bad_input_clip_warnings_reset(&c)
                 + scenario::all_to_all(&c)
+                + scenario::tiny_tensors(&c)
         }
         "env" => {
             // The environment's configuration works end to end.

@@ -48,6 +48,17 @@ fn every_codec_on_one_two_and_three_ranks() {
 }
 
 #[test]
+fn tiny_and_empty_tensors() {
+    for n in [1, 3, 4] {
+        let checks = with_ranks(n, |c| scenario::tiny_tensors(&c));
+        assert!(
+            checks.iter().all(|k| *k == 5 * scenario::cases().len()),
+            "{checks:?}"
+        );
+    }
+}
+
+#[test]
 fn bad_input_clipping_warnings_and_reset() {
     for n in [1, 2] {
         let checks = with_ranks(n, |c| scenario::bad_input_clip_warnings_reset(&c));
