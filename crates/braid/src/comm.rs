@@ -691,6 +691,39 @@ impl Communicator {
         )
     }
 
+    /// All-to-all: `send` and `recv` each hold `world` blocks of equal size; rank `r`'s send block `j`
+    /// arrives in rank `j`'s receive block `r` (its own block is copied locally). The block size is
+    /// `send.len() / world` bytes, a whole number of `dtype` elements.
+    pub fn all_to_all_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+    ) -> Result<(), Error> {
+        let world = self.inner.world;
+        let total = self.elems(send.len(), dtype, "send")?;
+        if total % world != 0 {
+            return Err(Error::invalid(format!(
+                "all_to_all: the send buffer's {total} {dtype} elements do not split into {world} equal blocks"
+            )));
+        }
+        if recv.len() != send.len() {
+            return Err(Error::invalid(format!(
+                "all_to_all: receive buffer has {} bytes, send buffer {} (both must hold world × block)",
+                recv.len(),
+                send.len()
+            )));
+        }
+        self.run(
+            Kind::AllToAll,
+            dtype,
+            ReduceOp::Sum,
+            total / world,
+            In::Buf(send),
+            recv,
+        )
+    }
+
     /// Broadcast of `root`'s `send` into every rank's `recv` (`send` is read on the root only).
     pub fn broadcast_bytes(
         &self,
@@ -903,6 +936,30 @@ impl Communicator {
             )
         };
         self.run_blocking(op)
+    }
+
+    /// All-to-all of per-peer blocks: `send` and `recv` both hold `world × block` elements; this rank's
+    /// send block `j` goes to rank `j`, and receive block `p` is what rank `p` sent to this rank.
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<(), Error> {
+        let world = self.inner.world;
+        if send.len() % world != 0 {
+            return Err(Error::invalid(format!(
+                "all_to_all: {} send elements do not split into {world} equal blocks",
+                send.len()
+            )));
+        }
+        if recv.len() != send.len() {
+            return Err(Error::invalid(format!(
+                "all_to_all: receive buffer has {} elements, send buffer {} (both must hold world × block)",
+                recv.len(),
+                send.len()
+            )));
+        }
+        self.all_to_all_bytes(
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            T::DTYPE,
+        )
     }
 
     /// Broadcast from `root`: `send` is read on the root only (pass `&[]` elsewhere).
