@@ -16,6 +16,12 @@ use common::{braid_run, braid_segments, show};
 // Rank side.
 
 fn rank_main(scenario: &str, args: &[String]) -> i32 {
+    // Pretend hosts of `TEST_RANKS_PER_HOST` ranks: shared memory inside, TCP and hier across.
+    if let Ok(per) = std::env::var("TEST_RANKS_PER_HOST") {
+        let rank: usize = std::env::var("BRAID_RANK").unwrap().parse().unwrap();
+        let per: usize = per.parse().unwrap();
+        std::env::set_var("BRAID_HOST_ID", format!("test-host-{}", rank / per));
+    }
     // The configuration comes first: a bad variable must be reported whatever else happens.
     if scenario == "env" {
         match CompressionConfig::from_env() {
@@ -71,18 +77,28 @@ fn rank_main(scenario: &str, args: &[String]) -> i32 {
 // Harness side.
 
 fn test_every_codec_on_processes() {
-    for n in [2, 3, 5, 8] {
+    let cases: [(usize, &[(&str, &str)]); 6] = [
+        (2, &[]),
+        (3, &[]),
+        (5, &[]),
+        (8, &[]),
+        (3, &[("BRAID_TRANSPORT", "tcp")]),
+        (4, &[("TEST_RANKS_PER_HOST", "2")]),
+    ];
+    for (n, extra) in cases {
         let start = Instant::now();
-        let o = braid_run(
-            n,
-            &["all"],
-            &[("BRAID_TIMEOUT_MS", "120000"), ("BRAID_DEBUG_CHECKS", "1")],
+        let mut env = vec![("BRAID_TIMEOUT_MS", "120000"), ("BRAID_DEBUG_CHECKS", "1")];
+        env.extend_from_slice(extra);
+        let o = braid_run(n, &["all"], &env);
+        assert!(
+            o.status.success(),
+            "{n} ranks {extra:?} failed:\n{}",
+            show(&o)
         );
-        assert!(o.status.success(), "{n} ranks failed:\n{}", show(&o));
         let out = String::from_utf8_lossy(&o.stdout);
         assert_eq!(out.matches(" ok: ").count(), n, "{}", show(&o));
         println!(
-            "  every codec on {n} processes: ok ({:.1} s)",
+            "  every codec on {n} processes {extra:?}: ok ({:.1} s)",
             start.elapsed().as_secs_f64()
         );
     }

@@ -791,8 +791,22 @@ impl Communicator {
         let (algo, _) = self.algorithm(Collective::AllReduce, count * es);
         let slot = self.config().chunk_bytes.next_multiple_of(64);
         let chunk = (slot / acc).max(1);
-        braid_sched::cost::all_reduce_traffic(algo.name(), n, self.rank(), count, es, acc, chunk).1
-            as u64
+        let hosts = self.hosts();
+        let (r, cost) = (self.rank(), |name| {
+            braid_sched::cost::all_reduce_traffic(name, n, self.rank(), count, es, acc, chunk).1
+        });
+        let bytes = match (algo, hosts.len() > 1) {
+            (crate::Algo::Hier, true) => {
+                braid_sched::cost::hier_traffic(hosts, r, count, es, acc, chunk).bytes
+            }
+            (crate::Algo::Ring, true) => {
+                braid_sched::cost::flat_ring_traffic(hosts, r, count, es, acc, chunk).bytes
+            }
+            // On one host the hierarchical schedule is the ring.
+            (crate::Algo::Hier, false) => cost("ring"),
+            (a, _) => cost(a.name()),
+        };
+        bytes as u64
     }
 
     /// Bytes this rank sends in an all-gather or all-to-all of `block` bytes per rank.
