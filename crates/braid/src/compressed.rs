@@ -90,6 +90,17 @@ pub enum CodecSpec {
 }
 
 impl CodecSpec {
+    /// The codec's local (one-rank) reference from braid-compress, e.g. to time compression alone;
+    /// `None` for [`CodecSpec::Dense`].
+    pub fn local_codec(&self, seed: u64) -> Result<Option<BoxedCodec>, Error> {
+        match *self {
+            CodecSpec::PowerSgd { rank } => Ok(Some(Box::new(
+                braid_compress::PowerSgd::new(rank, seed).map_err(codec_error)?,
+            ))),
+            other => build_codec(other, seed),
+        }
+    }
+
     /// Checks the parameters; an error names what is wrong.
     pub fn validate(&self) -> Result<(), Error> {
         let bad = |why: String| Err(Error::invalid(format!("compression codec {self}: {why}")));
@@ -418,7 +429,8 @@ pub struct CompressedReport {
     pub warnings: Vec<String>,
 }
 
-type BoxedCodec = Box<dyn Codec + Send + Sync>;
+/// A codec behind a pointer, as [`CodecSpec::local_codec`] returns it.
+pub type BoxedCodec = Box<dyn Codec + Send + Sync>;
 
 /// The compression state of one tensor or bucket: codec, error buffers, step counter, last statistics.
 /// Make one per tensor, with the same configuration and length on every rank.
