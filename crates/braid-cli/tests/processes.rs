@@ -420,6 +420,41 @@ fn test_topo_command_and_files() {
     println!("  braid topo, BRAID_TOPO_DUMP_FILE and BRAID_TOPO_FILE: ok");
 }
 
+/// `braid compress-bench` measures codecs and compressed all-reduce side by side; a bad codec is refused.
+fn test_compress_bench() {
+    let o = Command::new(braid())
+        .args([
+            "compress-bench",
+            "--ranks",
+            "2",
+            "-s",
+            "64K",
+            "-n",
+            "1",
+            "--codecs",
+            "topk:0.1,int8",
+        ])
+        .env_remove("BRAID_RANK")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", show(&o));
+    for row in ["memcpy", "dense", "topk:0.1", "int8"] {
+        assert!(out.contains(row), "no {row} in:\n{}", show(&o));
+    }
+    let o = Command::new(braid())
+        .args(["compress-bench", "--codecs", "topk:7"])
+        .env_remove("BRAID_RANK")
+        .output()
+        .unwrap();
+    assert!(
+        o.status.code() == Some(2) && String::from_utf8_lossy(&o.stderr).contains("topk:7"),
+        "{}",
+        show(&o)
+    );
+    println!("  braid compress-bench: ok");
+}
+
 fn test_launcher_stops_everyone_when_one_rank_fails() {
     let start = Instant::now();
     let o = braid_run(3, &["exit-rank", "1", "7"], &[]);
@@ -601,7 +636,7 @@ fn main() {
         return;
     }
     let before = braid_segments();
-    let tests: [(&str, fn()); 10] = [
+    let tests: [(&str, fn()); 11] = [
         ("matrix of ranks × dtypes × ops × counts", test_matrix),
         (
             "every algorithm of every collective, forced",
@@ -609,6 +644,7 @@ fn main() {
         ),
         ("tcp, several sockets, and shm+tcp hosts", test_transports),
         ("braid topo and topology files", test_topo_command_and_files),
+        ("braid compress-bench", test_compress_bench),
         (
             "launcher stops everyone when one rank fails",
             test_launcher_stops_everyone_when_one_rank_fails,
