@@ -1,0 +1,163 @@
+//! The C tests (`tests/c/*.c`): compiled with gcc under AddressSanitizer and UndefinedBehaviorSanitizer
+//! against `include/braid.h` and `libbraid.so`, and run as every rank of `braid run -n 2` and `-n 4`.
+//! Any sanitizer report fails the test: ASan and UBSan stop the process (no recovery), LeakSanitizer
+//! runs at exit, and the output is searched for reports as well.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use support::{artifacts, braid_run, have, profile_dir, show};
+
+const SANITIZERS: &str = "address,undefined";
+
+/// Compiles `tests/c/<name>.c` into `target/<profile>/capi-c-tests/<name>`.
+fn compile(name: &str) -> PathBuf {
+    let (_, libdir) = artifacts();
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out_dir = profile_dir().join("capi-c-tests");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let exe = out_dir.join(name);
+    let out = Command::new("gcc")
+        .args(["-std=gnu11", "-g", "-O1", "-Wall", "-Wextra", "-Werror"])
+        .arg(format!("-fsanitize={SANITIZERS}"))
+        .args(["-fno-sanitize-recover=all", "-fno-omit-frame-pointer"])
+        .arg("-I")
+        .arg(crate_dir.join("include"))
+        .arg(crate_dir.join("tests/c").join(format!("{name}.c")))
+        .arg("-o")
+        .arg(&exe)
+        .arg("-L")
+        .arg(libdir)
+        .arg(format!("-Wl,-rpath,{}", libdir.display()))
+        .args(["-lbraid", "-lm"])
+        .output()
+        .expect("running gcc");
+    assert!(out.status.success(), "gcc {name}.c failed:\n{}", show(&out));
+    exe
+}
+
+/// Runs a C test on `n` ranks under the sanitizers; returns its stdout.
+fn run_c(name: &str, n: usize) -> String {
+    let exe = compile(name);
+    let out = braid_run(
+        n,
+        &[exe.to_str().unwrap()],
+        &[
+            (
+                "ASAN_OPTIONS",
+                "detect_leaks=1:halt_on_error=1:exitcode=23:detect_stack_use_after_return=1",
+            ),
+            ("UBSAN_OPTIONS", "halt_on_error=1:print_stacktrace=1"),
+        ],
+    );
+    let text = show(&out);
+    assert!(out.status.success(), "{name} on {n} ranks failed:\n{text}");
+    for report in [
+        "AddressSanitizer",
+        "LeakSanitizer",
+        "runtime error:",
+        "UndefinedBehaviorSanitizer",
+    ] {
+        assert!(
+            !text.contains(report),
+            "{name} on {n} ranks: sanitizer report:\n{text}"
+        );
+    }
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn gcc_or_say_why() -> bool {
+    if !have("gcc") {
+        println!("SKIPPED: gcc is not installed; the C tests need it");
+        return false;
+    }
+    true
+}
+
+#[test]
+fn collectives_on_2_and_4_ranks_under_sanitizers() {
+    if !gcc_or_say_why() {
+        return;
+    }
+    for n in [2, 4] {
+        let out = run_c("collectives", n);
+        for r in 0..n {
+            assert!(
+                out.contains(&format!("rank {r}: collectives ok")),
+                "rank {r} of {n} did not finish:\n{out}"
+            );
+        }
+    }
+}
+
+#[test]
+fn hostile_input_is_rejected_without_effect_under_sanitizers() {
+    if !gcc_or_say_why() {
+        return;
+    }
+    for n in [2, 4] {
+        let out = run_c("hostile", n);
+        for r in 0..n {
+            assert!(
+                out.contains(&format!("rank {r}: 61 hostile cases ok")),
+                "rank {r} of {n} did not finish:\n{out}"
+            );
+        }
+    }
+}
+
+#[test]
+fn readme_example_builds_with_pkg_config_and_runs() {
+    if !gcc_or_say_why() {
+        return;
+    }
+    if !have("pkg-config") {
+        println!("SKIPPED: pkg-config is not installed");
+        return;
+    }
+    // Install into a staging prefix the way the README says: header, library, braid.pc from the template.
+    let (_, libdir) = artifacts();
+    let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let prefix = profile_dir().join("capi-prefix");
+    let _ = std::fs::remove_dir_all(&prefix);
+    std::fs::create_dir_all(prefix.join("include")).unwrap();
+    std::fs::create_dir_all(prefix.join("lib/pkgconfig")).unwrap();
+    std::fs::copy(
+        crate_dir.join("include/braid.h"),
+        prefix.join("include/braid.h"),
+    )
+    .unwrap();
+    std::fs::copy(libdir.join("libbraid.so"), prefix.join("lib/libbraid.so")).unwrap();
+    let pc = std::fs::read_to_string(crate_dir.join("braid.pc.in"))
+        .unwrap()
+        .replace("@PREFIX@", prefix.to_str().unwrap())
+        .replace("@VERSION@", env!("CARGO_PKG_VERSION"));
+    std::fs::write(prefix.join("lib/pkgconfig/braid.pc"), pc).unwrap();
+    let flags = Command::new("pkg-config")
+        .args(["--cflags", "--libs", "braid"])
+        .env("PKG_CONFIG_PATH", prefix.join("lib/pkgconfig"))
+        .output()
+        .unwrap();
+    assert!(flags.status.success(), "pkg-config: {}", show(&flags));
+    let flags = String::from_utf8(flags.stdout).unwrap();
+    assert!(flags.contains("-lbraid"), "{flags}");
+    let exe = prefix.join("example");
+    let out = Command::new("gcc")
+        .args(["-Wall", "-Werror"])
+        .arg(crate_dir.join("tests/c/example.c"))
+        .args(flags.split_whitespace())
+        .arg(format!("-Wl,-rpath,{}", prefix.join("lib").display()))
+        .arg("-o")
+        .arg(&exe)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "gcc example.c: {}", show(&out));
+    let out = braid_run(2, &[exe.to_str().unwrap()], &[]);
+    let text = show(&out);
+    assert!(out.status.success(), "{text}");
+    for r in 0..2 {
+        assert!(text.contains(&format!("rank {r} of 2: mean 0.5")), "{text}");
+    }
+}
