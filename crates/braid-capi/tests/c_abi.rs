@@ -31,11 +31,29 @@ fn compile(name: &str) -> PathBuf {
         .arg("-L")
         .arg(libdir)
         .arg(format!("-Wl,-rpath,{}", libdir.display()))
-        .args(["-lbraid", "-lm"])
+        .args(["-lbraid", "-lm", "-pthread"])
         .output()
         .expect("running gcc");
     assert!(out.status.success(), "gcc {name}.c failed:\n{}", show(&out));
     exe
+}
+
+const ASAN_OPTIONS: &str =
+    "detect_leaks=1:halt_on_error=1:exitcode=23:detect_stack_use_after_return=1";
+const UBSAN_OPTIONS: &str = "halt_on_error=1:print_stacktrace=1";
+
+/// Fails on an unsuccessful exit or any sanitizer report in the output.
+fn assert_clean(what: &str, out: &std::process::Output) {
+    let text = show(out);
+    assert!(out.status.success(), "{what} failed:\n{text}");
+    for report in [
+        "AddressSanitizer",
+        "LeakSanitizer",
+        "runtime error:",
+        "UndefinedBehaviorSanitizer",
+    ] {
+        assert!(!text.contains(report), "{what}: sanitizer report:\n{text}");
+    }
 }
 
 /// Runs a C test on `n` ranks under the sanitizers; returns its stdout.
@@ -45,26 +63,11 @@ fn run_c(name: &str, n: usize) -> String {
         n,
         &[exe.to_str().unwrap()],
         &[
-            (
-                "ASAN_OPTIONS",
-                "detect_leaks=1:halt_on_error=1:exitcode=23:detect_stack_use_after_return=1",
-            ),
-            ("UBSAN_OPTIONS", "halt_on_error=1:print_stacktrace=1"),
+            ("ASAN_OPTIONS", ASAN_OPTIONS),
+            ("UBSAN_OPTIONS", UBSAN_OPTIONS),
         ],
     );
-    let text = show(&out);
-    assert!(out.status.success(), "{name} on {n} ranks failed:\n{text}");
-    for report in [
-        "AddressSanitizer",
-        "LeakSanitizer",
-        "runtime error:",
-        "UndefinedBehaviorSanitizer",
-    ] {
-        assert!(
-            !text.contains(report),
-            "{name} on {n} ranks: sanitizer report:\n{text}"
-        );
-    }
+    assert_clean(&format!("{name} on {n} ranks"), &out);
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
@@ -160,4 +163,26 @@ fn readme_example_builds_with_pkg_config_and_runs() {
     for r in 0..2 {
         assert!(text.contains(&format!("rank {r} of 2: mean 0.5")), "{text}");
     }
+}
+
+#[test]
+fn ranks_as_threads_and_abort_from_another_thread_under_sanitizers() {
+    if !gcc_or_say_why() {
+        return;
+    }
+    let exe = compile("threads");
+    let (_, libdir) = artifacts();
+    let out = Command::new(&exe)
+        .env("LD_LIBRARY_PATH", libdir)
+        .env("ASAN_OPTIONS", ASAN_OPTIONS)
+        .env("UBSAN_OPTIONS", UBSAN_OPTIONS)
+        .env_remove("BRAID_RANK")
+        .output()
+        .unwrap();
+    assert_clean("threads", &out);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("threads ok"),
+        "{}",
+        show(&out)
+    );
 }
