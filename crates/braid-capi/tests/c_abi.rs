@@ -111,19 +111,12 @@ fn hostile_input_is_rejected_without_effect_under_sanitizers() {
     }
 }
 
-#[test]
-fn readme_example_builds_with_pkg_config_and_runs() {
-    if !gcc_or_say_why() {
-        return;
-    }
-    if !have("pkg-config") {
-        println!("SKIPPED: pkg-config is not installed");
-        return;
-    }
-    // Install into a staging prefix the way the README says: header, library, braid.pc from the template.
+/// Installs header, one library file and `braid.pc` (from the template) into a fresh prefix, as the
+/// README says; returns the prefix.
+fn stage(name: &str, lib: &str) -> PathBuf {
     let (_, libdir) = artifacts();
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let prefix = profile_dir().join("capi-prefix");
+    let prefix = profile_dir().join(name);
     let _ = std::fs::remove_dir_all(&prefix);
     std::fs::create_dir_all(prefix.join("include")).unwrap();
     std::fs::create_dir_all(prefix.join("lib/pkgconfig")).unwrap();
@@ -132,13 +125,22 @@ fn readme_example_builds_with_pkg_config_and_runs() {
         prefix.join("include/braid.h"),
     )
     .unwrap();
-    std::fs::copy(libdir.join("libbraid.so"), prefix.join("lib/libbraid.so")).unwrap();
+    let (from, to) = (libdir.join(lib), prefix.join("lib").join(lib));
+    if std::fs::hard_link(&from, &to).is_err() {
+        std::fs::copy(&from, &to).unwrap();
+    }
     let pc = std::fs::read_to_string(crate_dir.join("braid.pc.in"))
         .unwrap()
         .replace("@PREFIX@", prefix.to_str().unwrap())
         .replace("@VERSION@", env!("CARGO_PKG_VERSION"));
     std::fs::write(prefix.join("lib/pkgconfig/braid.pc"), pc).unwrap();
+    prefix
+}
+
+/// Builds the README's example with the flags `pkg-config` gives for `prefix` and runs it on 2 ranks.
+fn build_and_run_example(prefix: &Path, pkg_config_args: &[&str]) {
     let flags = Command::new("pkg-config")
+        .args(pkg_config_args)
         .args(["--cflags", "--libs", "braid"])
         .env("PKG_CONFIG_PATH", prefix.join("lib/pkgconfig"))
         .output()
@@ -149,20 +151,38 @@ fn readme_example_builds_with_pkg_config_and_runs() {
     let exe = prefix.join("example");
     let out = Command::new("gcc")
         .args(["-Wall", "-Werror"])
-        .arg(crate_dir.join("tests/c/example.c"))
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/example.c"))
         .args(flags.split_whitespace())
         .arg(format!("-Wl,-rpath,{}", prefix.join("lib").display()))
         .arg("-o")
         .arg(&exe)
         .output()
         .unwrap();
-    assert!(out.status.success(), "gcc example.c: {}", show(&out));
+    assert!(
+        out.status.success(),
+        "gcc example.c {flags}: {}",
+        show(&out)
+    );
     let out = braid_run(2, &[exe.to_str().unwrap()], &[]);
     let text = show(&out);
     assert!(out.status.success(), "{text}");
     for r in 0..2 {
         assert!(text.contains(&format!("rank {r} of 2: mean 0.5")), "{text}");
     }
+}
+
+#[test]
+fn readme_example_builds_with_pkg_config_shared_and_static() {
+    if !gcc_or_say_why() {
+        return;
+    }
+    if !have("pkg-config") {
+        println!("SKIPPED: pkg-config is not installed");
+        return;
+    }
+    build_and_run_example(&stage("capi-prefix-shared", "libbraid.so"), &[]);
+    // Only the archive installed: `--static` adds the system libraries it needs (Libs.private).
+    build_and_run_example(&stage("capi-prefix-static", "libbraid.a"), &["--static"]);
 }
 
 #[test]
