@@ -206,3 +206,46 @@ fn ranks_as_threads_and_abort_from_another_thread_under_sanitizers() {
         show(&out)
     );
 }
+
+#[test]
+fn the_library_exports_exactly_the_functions_the_header_declares() {
+    if !have("nm") {
+        println!("SKIPPED: nm (binutils) is not installed");
+        return;
+    }
+    let (_, libdir) = artifacts();
+    let out = Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(libdir.join("libbraid.so"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let mut exported: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| match l.split_whitespace().collect::<Vec<_>>()[..] {
+            [_, "T", name] if name.starts_with("braid_") => Some(name.to_string()),
+            _ => None,
+        })
+        .collect();
+    exported.sort();
+    let header =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("include/braid.h"))
+            .unwrap();
+    let mut declared: Vec<String> = header
+        .lines()
+        .filter_map(|l| {
+            let name = l.split('(').next()?.split_whitespace().last()?;
+            let name = name.trim_start_matches('*');
+            (l.contains('(') && name.starts_with("braid_") && !l.trim_start().starts_with('*'))
+                .then(|| name.to_string())
+        })
+        .collect();
+    declared.sort();
+    declared.dedup();
+    assert!(
+        exported.len() >= 25,
+        "only {} exports: {exported:?}",
+        exported.len()
+    );
+    assert_eq!(exported, declared, "exports of libbraid.so vs braid.h");
+}
