@@ -17,7 +17,7 @@
 //!
 //! The header is generated from this crate by cbindgen and committed; a test fails when it is stale.
 
-// The exports take raw pointers from C by design; each documents what it requires under `# Safety`.
+// The types keep their C names (`braid_comm`, `braid_result`, ...) so the generated header reads as C.
 #![allow(non_camel_case_types)]
 
 mod collectives;
