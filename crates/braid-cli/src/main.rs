@@ -66,14 +66,18 @@ enum Cmd {
         /// Also write the results as JSON to this file.
         #[arg(long)]
         json: Option<String>,
-        /// All-reduce algorithm: ring, tree, rhd, direct, or `all` to measure each (and mark the tuner's
-        /// pick). Default: braid chooses.
+        /// All-reduce algorithm: ring, tree, rhd, direct, hier; a comma-separated list (`ring,hier`) or
+        /// `all` to measure each side by side (and mark the tuner's pick). Default: braid chooses.
         #[arg(long)]
         algo: Option<String>,
         /// Also plot busbw against size (log-log) to this PNG file.
         #[arg(long)]
         plot: Option<String>,
     },
+    /// Print the topology. Alone: this host's NUMA nodes, GPUs and NICs. Started by a launcher
+    /// (`braid run -n N -- braid topo`, or across hosts): where every rank is, how each peer is reached,
+    /// and, with BRAID_TOPO_PROBE=1, what probing measured. BRAID_TOPO_DUMP_FILE writes it as a file.
+    Topo,
     /// Measure every all-reduce algorithm at every size and write the fastest per size to a tuning file
     /// (use it with BRAID_TUNE_FILE).
     Tune {
@@ -105,6 +109,7 @@ fn main() {
     let cli = Cli::parse();
     let code = match cli.cmd {
         Cmd::Run { n, command } => launch::run(n, &command[0], &command[1..], &[]),
+        Cmd::Topo => topo_main(),
         Cmd::Tune {
             ranks,
             output,
@@ -144,8 +149,10 @@ fn main() {
                 if min_bytes > max_bytes {
                     return Err(format!("-b {min_bytes} is larger than -e {max_bytes}"));
                 }
-                if let Some(a) = algo.as_deref().filter(|a| *a != "all") {
-                    a.parse::<braid::Algo>().map_err(|e| e.to_string())?;
+                if let Some(list) = algo.as_deref().filter(|a| *a != "all") {
+                    for a in list.split(',') {
+                        a.parse::<braid::Algo>().map_err(|e| e.to_string())?;
+                    }
                 }
                 Ok(perf::PerfArgs {
                     min_bytes,
@@ -171,6 +178,44 @@ fn main() {
         }
     };
     std::process::exit(code);
+}
+
+fn topo_main() -> i32 {
+    if !JobEnv::present() {
+        let host = braid::braid_topo::detect_local();
+        match braid::braid_topo::Topology::single_host(host, 1, braid::braid_topo::Source::Detected)
+        {
+            Ok(t) => {
+                print!("{}", t.describe());
+                0
+            }
+            Err(e) => {
+                eprintln!("braid topo: {e}");
+                1
+            }
+        }
+    } else {
+        let comm = match Communicator::from_env() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("braid topo: {e}");
+                return 1;
+            }
+        };
+        if comm.rank() == 0 {
+            print!("{}", comm.topology().describe());
+            println!("transports: {}", comm.transports_summary());
+            println!("rank 0 reaches: {}", comm.peer_transports().join(" "));
+        }
+        // Nobody leaves before rank 0 has printed.
+        match comm.barrier() {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("braid topo: {e}");
+                1
+            }
+        }
+    }
 }
 
 fn perf_main(ranks: Option<usize>, args: &perf::PerfArgs) -> i32 {

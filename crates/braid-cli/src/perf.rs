@@ -234,17 +234,29 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
         recv: vec![0u8; max],
         factor,
     };
-    let all_algos = a.algo.as_deref() == Some("all");
-    if let Some(name) = a.algo.as_deref().filter(|n| *n != "all") {
-        comm.set_algorithm(Collective::AllReduce, Some(name.parse::<Algo>()?))?;
+    let candidates: Vec<Algo> = match a.algo.as_deref() {
+        Some("all") => Collective::AllReduce.algos().to_vec(),
+        Some(list) => list
+            .split(',')
+            .map(str::parse::<Algo>)
+            .collect::<Result<_, _>>()?,
+        None => Vec::new(),
+    };
+    let all_algos = candidates.len() > 1;
+    if let [only] = candidates[..] {
+        comm.set_algorithm(Collective::AllReduce, Some(only))?;
     }
     if rank == 0 {
         println!(
-            "# braid perf: {world} ranks over shared memory, {} {}, {} iterations after {} warm-up",
-            dtype, op, a.iters, a.warmup
+            "# braid perf: {world} ranks over {}, {} {}, {} iterations after {} warm-up",
+            comm.transports_summary(),
+            dtype,
+            op,
+            a.iters,
+            a.warmup
         );
         if all_algos {
-            print_algo_header();
+            print_algo_header(&candidates);
         } else {
             print_header();
         }
@@ -295,7 +307,7 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
             // Check and time each algorithm, then time them again in interleaved rounds: on a shared
             // machine a single batch is at the mercy of whatever else runs; the median of the rounds is not.
             let mut times: std::collections::BTreeMap<&'static str, Vec<f64>> = Default::default();
-            for algo in Collective::AllReduce.algos() {
+            for algo in &candidates {
                 comm.set_algorithm(Collective::AllReduce, Some(*algo))?;
                 let c = bench.measure(bytes, false, &want)?;
                 total_wrong += c.wrong;
@@ -303,7 +315,7 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
                 cells.insert(algo.name(), c);
             }
             for _ in 1..ALGO_ROUNDS {
-                for algo in Collective::AllReduce.algos() {
+                for algo in &candidates {
                     comm.set_algorithm(Collective::AllReduce, Some(*algo))?;
                     let t = bench.time_only(bytes, false)?;
                     times.entry(algo.name()).or_default().push(t);
@@ -338,6 +350,7 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
                         pick.name(),
                         best,
                         bound_busbw,
+                        &candidates,
                     )
                 });
                 report.algos.push(AlgoRow {
@@ -459,10 +472,9 @@ fn print_header() {
         "(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", "", "(GB/s)", "");
 }
 
-fn print_algo_header() {
+fn print_algo_header(candidates: &[Algo]) {
     println!("# out-of-place busbw (GB/s) per algorithm; * marks the fastest, < the tuner's pick");
-    let names: Vec<String> = Collective::AllReduce
-        .algos()
+    let names: Vec<String> = candidates
         .iter()
         .map(|a| format!("{:>10}", a.name()))
         .collect();
@@ -490,9 +502,9 @@ fn print_algo_row(
     pick: &str,
     best: &str,
     bound: f64,
+    candidates: &[Algo],
 ) {
-    let cols: Vec<String> = Collective::AllReduce
-        .algos()
+    let cols: Vec<String> = candidates
         .iter()
         .map(|a| {
             let c = cells[a.name()];
@@ -505,7 +517,10 @@ fn print_algo_row(
             format!("{:>8.2}{mark}", c.busbw)
         })
         .collect();
-    let ratio = cells[best].time_us / cells[pick].time_us;
+    // The pick may be outside the measured list; then there is no ratio to show.
+    let ratio = cells
+        .get(pick)
+        .map_or(f64::NAN, |p| cells[best].time_us / p.time_us);
     println!(
         "  {:>10} {:>12} {:>8} {:>6} | {} | {:>6} {:>6} {:>8.0}% {:>8.2}",
         bytes,

@@ -154,6 +154,7 @@ pub fn run(comm: &Communicator, a: &TuneArgs) -> Result<(), Error> {
         TuningFile {
             version: 1,
             shm: link,
+            tcp: None,
             tables: vec![],
         }
     };

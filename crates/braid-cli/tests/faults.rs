@@ -741,6 +741,7 @@ fn head(m: &str, n: usize) -> String {
 }
 
 struct Row {
+    transport: &'static str,
     fault: &'static str,
     victim: usize,
     victim_end: String,
@@ -748,7 +749,7 @@ struct Row {
     wall: Duration,
 }
 
-fn run_fault(fault: &'static str, victim: usize) -> Row {
+fn run_fault(transport: &'static str, fault: &'static str, victim: usize) -> Row {
     let world = 3;
     let (port, port2) = (free_port(), free_port());
     let (s1, s2) = (secret(victim as u64 * 8 + 1), secret(victim as u64 * 8 + 2));
@@ -759,6 +760,7 @@ fn run_fault(fault: &'static str, victim: usize) -> Row {
             let mut vars = job_vars(r, world, port, &s1, FAULT_TIMEOUT_MS);
             vars.push(("BRAID_ROOT2".into(), format!("127.0.0.1:{port2}")));
             vars.push(("BRAID_SECRET2".into(), s2.clone()));
+            vars.push(("BRAID_TRANSPORT".into(), transport.into()));
             if let Some(r2) = survivors.iter().position(|s| *s == r) {
                 vars.push(("BRAID_RANK2".into(), r2.to_string()));
             }
@@ -766,7 +768,7 @@ fn run_fault(fault: &'static str, victim: usize) -> Row {
         })
         .collect();
     let deadline = start + Duration::from_millis(2 * FAULT_TIMEOUT_MS) + SLACK;
-    let what = format!("fault {fault} of rank {victim}");
+    let what = format!("fault {fault} of rank {victim} over {transport}");
     {
         let mut live: Vec<&mut Proc> = ps.iter_mut().filter(|p| p.rank != victim).collect();
         wait_all(&mut live, deadline, &what);
@@ -849,6 +851,7 @@ fn run_fault(fault: &'static str, victim: usize) -> Row {
         "{what}: survivors took {wall:?}"
     );
     Row {
+        transport,
         fault,
         victim,
         victim_end,
@@ -859,29 +862,44 @@ fn run_fault(fault: &'static str, victim: usize) -> Row {
 
 fn test_fault_matrix() {
     let mut rows = Vec::new();
-    for victim in [1, 0] {
-        for fault in ["kill", "term", "exit0", "stop"] {
-            let row = run_fault(fault, victim);
-            println!(
-                "  {fault} rank {victim}: ok ({:.1} s)",
-                row.wall.as_secs_f64()
-            );
-            rows.push(row);
+    for transport in ["shm", "tcp"] {
+        for victim in [1, 0] {
+            for fault in ["kill", "term", "exit0", "stop"] {
+                let row = run_fault(transport, fault, victim);
+                println!(
+                    "  {fault} rank {victim} over {transport}: ok ({:.1} s)",
+                    row.wall.as_secs_f64()
+                );
+                rows.push(row);
+            }
         }
     }
     println!(
-        "  {:<6} {:<6} {:<10} {:<8} {:<16} {:>9} {:>8} {:>7}  message",
-        "fault", "victim", "victim end", "survivor", "error", "t_err ms", "later ms", "drop ms"
+        "  {:<4} {:<6} {:<6} {:<10} {:<8} {:<16} {:>9} {:>8} {:>7}  message",
+        "via",
+        "fault",
+        "victim",
+        "victim end",
+        "survivor",
+        "error",
+        "t_err ms",
+        "later ms",
+        "drop ms"
     );
     for r in &rows {
         for (i, s) in r.seen.iter().enumerate() {
-            let (f, v, e) = if i == 0 {
-                (r.fault, r.victim.to_string(), r.victim_end.as_str())
+            let (t, f, v, e) = if i == 0 {
+                (
+                    r.transport,
+                    r.fault,
+                    r.victim.to_string(),
+                    r.victim_end.as_str(),
+                )
             } else {
-                ("", String::new(), "")
+                ("", "", String::new(), "")
             };
             println!(
-                "  {f:<6} {v:<6} {e:<10} {:<8} {:<16} {:>9} {:>8} {:>7}  {}",
+                "  {t:<4} {f:<6} {v:<6} {e:<10} {:<8} {:<16} {:>9} {:>8} {:>7}  {}",
                 s.rank,
                 format!("{}({}){}", s.kind, peer_text(s.peer), ""),
                 s.at_ms,
@@ -970,31 +988,43 @@ fn test_destroy_never_hangs() {
 }
 
 fn test_soak() {
-    let ops = std::env::var("SOAK_OPS").unwrap_or_else(|_| "3000".into());
-    let start = Instant::now();
-    let o = braid_run(
-        4,
-        &["soak"],
-        &[("BRAID_TIMEOUT_MS", "5000"), ("SOAK_OPS", &ops)],
-    );
-    let out = String::from_utf8_lossy(&o.stdout);
-    PIDS.lock().unwrap().extend(
-        out.lines()
-            .filter_map(|l| l.strip_prefix("pid=")?.parse::<u32>().ok()),
-    );
-    assert!(o.status.success(), "soak failed:\n{}", show(&o));
-    let oks: Vec<&str> = out
-        .lines()
-        .filter(|l| l.starts_with("soak rank "))
-        .collect();
-    assert_eq!(oks.len(), 4, "{}", show(&o));
-    for l in oks {
-        println!("  {l}");
+    let ops: usize = std::env::var("SOAK_OPS").map_or(3000, |v| v.parse().expect("SOAK_OPS"));
+    // Over TCP a third as many: each op costs more, and the point is the mix, not the count.
+    for (transport, ops) in [("shm", ops), ("tcp", ops.div_ceil(3))] {
+        let start = Instant::now();
+        let ops = ops.to_string();
+        let o = braid_run(
+            4,
+            &["soak"],
+            &[
+                ("BRAID_TIMEOUT_MS", "5000"),
+                ("SOAK_OPS", &ops),
+                ("BRAID_TRANSPORT", transport),
+            ],
+        );
+        let out = String::from_utf8_lossy(&o.stdout);
+        PIDS.lock().unwrap().extend(
+            out.lines()
+                .filter_map(|l| l.strip_prefix("pid=")?.parse::<u32>().ok()),
+        );
+        assert!(
+            o.status.success(),
+            "soak over {transport} failed:\n{}",
+            show(&o)
+        );
+        let oks: Vec<&str> = out
+            .lines()
+            .filter(|l| l.starts_with("soak rank "))
+            .collect();
+        assert_eq!(oks.len(), 4, "{}", show(&o));
+        for l in oks {
+            println!("  {l}");
+        }
+        println!(
+            "  soak of {ops} ops on 4 ranks over {transport}: {:.1} s",
+            start.elapsed().as_secs_f64()
+        );
     }
-    println!(
-        "  soak of {ops} ops on 4 ranks: {:.1} s",
-        start.elapsed().as_secs_f64()
-    );
 }
 
 fn main() {

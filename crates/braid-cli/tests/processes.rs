@@ -8,30 +8,14 @@ mod common;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use braid::{Collective, Communicator, DType, Error, ReduceOp};
+use braid::{Communicator, DType, Error, ReduceOp};
 use braid_core::exact::{inputs, reduced};
+use common::scenarios::{assert_identical, scenario_algorithms};
 use common::{braid, braid_run, braid_segments, free_port, me, show};
 
 // ---------------------------------------------------------------------------------------------------
 // Rank side.
 
-fn fnv(b: &[u8]) -> u64 {
-    b.iter().fold(0xcbf29ce484222325u64, |h, x| {
-        (h ^ *x as u64).wrapping_mul(0x100000001b3)
-    })
-}
-
-/// Every rank's hash of `out` must be the same bits.
-fn assert_identical(c: &Communicator, out: &[u8], what: &str) {
-    let mut all = vec![0u64; c.world_size()];
-    c.all_gather(&[fnv(out)], &mut all).unwrap();
-    assert!(
-        all.iter().all(|h| *h == all[0]),
-        "{what}: ranks disagree bitwise: {all:x?}"
-    );
-}
-
-/// A buffer whose data starts one byte past an aligned address, so kernels see unaligned slices.
 fn unaligned(len: usize) -> (Vec<u8>, usize) {
     (vec![0u8; len + 1], 1)
 }
@@ -144,78 +128,14 @@ fn scenario_matrix(c: &Communicator) -> usize {
     checks + 3
 }
 
-/// Every algorithm of every collective, forced in turn, against the exact reference.
-fn scenario_algorithms(c: &Communicator) -> usize {
-    let (rank, world) = (c.rank(), c.world_size());
-    let mut checks = 0;
-    for coll in Collective::ALL {
-        for &algo in coll.algos() {
-            c.set_algorithm(coll, Some(algo)).unwrap();
-            for (dtype, op) in [
-                (DType::F32, ReduceOp::Sum),
-                (DType::BF16, ReduceOp::Avg),
-                (DType::I64, ReduceOp::Max),
-                (DType::F64, ReduceOp::Prod),
-            ] {
-                let es = dtype.size();
-                for count in [0usize, 1, world + 1, 40_009] {
-                    let what = format!("{} {algo} {dtype} {op} count {count}", coll.name());
-                    match coll {
-                        Collective::AllReduce => {
-                            let ins = inputs(count * es, dtype, op, world);
-                            let want = reduced(&ins, dtype, op);
-                            let mut out = vec![0u8; count * es];
-                            c.all_reduce_bytes(&ins[rank], &mut out, dtype, op).unwrap();
-                            assert!(out == want, "{what}");
-                            assert_identical(c, &out, &what);
-                            let mut buf = ins[rank].clone();
-                            c.all_reduce_bytes_in_place(&mut buf, dtype, op).unwrap();
-                            assert!(buf == want, "{what} in place");
-                        }
-                        Collective::ReduceScatter => {
-                            let ins = inputs(world * count * es, dtype, op, world);
-                            let want = reduced(&ins, dtype, op);
-                            let mut out = vec![0u8; count * es];
-                            c.reduce_scatter_bytes(&ins[rank], &mut out, dtype, op)
-                                .unwrap();
-                            assert!(
-                                out == want[rank * count * es..(rank + 1) * count * es],
-                                "{what}"
-                            );
-                        }
-                        Collective::AllGather => {
-                            let ins = inputs(count * es, dtype, op, world);
-                            let mut out = vec![0u8; world * count * es];
-                            c.all_gather_bytes(&ins[rank], &mut out, dtype).unwrap();
-                            assert!(out == ins.concat(), "{what}");
-                        }
-                        Collective::Broadcast | Collective::Reduce => {
-                            let ins = inputs(count * es, dtype, op, world);
-                            let want = reduced(&ins, dtype, op);
-                            for root in [0, world - 1] {
-                                let mut b = ins[rank].clone();
-                                if coll == Collective::Broadcast {
-                                    c.broadcast_bytes(&ins[rank], &mut b, dtype, root).unwrap();
-                                    assert!(b == ins[root], "{what} root {root}");
-                                } else {
-                                    c.reduce_bytes(&ins[rank], &mut b, dtype, op, root).unwrap();
-                                    if rank == root {
-                                        assert!(b == want, "{what} root {root}");
-                                    }
-                                }
-                            }
-                        }
-                    }
-                    checks += 1;
-                }
-            }
-        }
-        c.set_algorithm(coll, None).unwrap();
-    }
-    checks
-}
-
 fn rank_main(scenario: &str, args: &[String]) -> i32 {
+    // Pretend ranks live on hosts of `TEST_RANKS_PER_HOST` ranks each (shared memory inside a host,
+    // TCP between hosts).
+    if let Ok(per) = std::env::var("TEST_RANKS_PER_HOST") {
+        let rank: usize = std::env::var("BRAID_RANK").unwrap().parse().unwrap();
+        let per: usize = per.parse().unwrap();
+        std::env::set_var("BRAID_HOST_ID", format!("test-host-{}", rank / per));
+    }
     let c = match Communicator::from_env() {
         Ok(c) => c,
         Err(e) => {
@@ -385,6 +305,119 @@ fn test_algorithms() {
         );
         println!("  every algorithm on {n} ranks with 3 channels: ok");
     }
+}
+
+/// Every algorithm over TCP alone, over several sockets per peer, and over shared memory inside
+/// pretend hosts with TCP between them.
+fn test_transports() {
+    let cases: [(usize, &[(&str, &str)]); 5] = [
+        (2, &[("BRAID_TRANSPORT", "tcp")]),
+        (
+            3,
+            &[("BRAID_TRANSPORT", "tcp"), ("BRAID_SOCKETS_PER_PEER", "3")],
+        ),
+        (4, &[("TEST_RANKS_PER_HOST", "2")]),
+        (
+            5,
+            &[
+                ("TEST_RANKS_PER_HOST", "2"),
+                ("BRAID_SOCKETS_PER_PEER", "2"),
+            ],
+        ),
+        (6, &[("TEST_RANKS_PER_HOST", "3"), ("BRAID_CHANNELS", "2")]),
+    ];
+    for (n, extra) in cases {
+        let start = Instant::now();
+        let mut env = vec![
+            ("BRAID_TIMEOUT_MS", "60000"),
+            ("BRAID_CHUNK_BYTES", "16384"),
+        ];
+        env.extend_from_slice(extra);
+        let o = braid_run(n, &["algorithms"], &env);
+        assert!(
+            o.status.success(),
+            "algorithms on {n} ranks with {extra:?} failed:\n{}",
+            show(&o)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&o.stdout).matches(" ok: ").count(),
+            n,
+            "{}",
+            show(&o)
+        );
+        println!(
+            "  every algorithm on {n} ranks with {extra:?}: ok ({:.1} s)",
+            start.elapsed().as_secs_f64()
+        );
+    }
+    // A rank that insists on shared memory cannot join ranks of another host, and says why.
+    let o = braid_run(
+        2,
+        &["small"],
+        &[
+            ("TEST_RANKS_PER_HOST", "1"),
+            ("BRAID_TRANSPORT", "shm"),
+            ("BRAID_TIMEOUT_MS", "20000"),
+        ],
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        !o.status.success() && out.contains("another host") && out.contains("BRAID_TRANSPORT=shm"),
+        "{}",
+        show(&o)
+    );
+    println!("  shm-only ranks on two hosts are refused with a reason: ok");
+}
+
+/// `braid topo` prints where the ranks are; the file it dumps is a topology file the runtime accepts,
+/// and a broken one is an error that names the variable.
+fn test_topo_command_and_files() {
+    let file = std::env::temp_dir().join(format!("braid-topo-{}.json", std::process::id()));
+    let run_topo = |env: &[(&str, &str)]| {
+        let mut cmd = Command::new(braid());
+        cmd.args(["run", "-n", "3", "--"]).arg(braid()).arg("topo");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.env_remove("BRAID_RANK").output().unwrap()
+    };
+    let o = run_topo(&[("BRAID_TOPO_DUMP_FILE", file.to_str().unwrap())]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("3 ranks") && out.contains("self shm shm"),
+        "{}",
+        show(&o)
+    );
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(
+        text.contains("\"version\": 1") || text.contains("\"version\":1"),
+        "{text}"
+    );
+    // Claim two hosts in a file: the runtime takes the grouping from it.
+    let two = r#"{"version": 1, "hosts": [{"name": "a"}, {"name": "b"}],
+        "ranks": [{"rank": 0, "host": "a"}, {"rank": 1, "host": "b"}, {"rank": 2, "host": "a"}]}"#;
+    std::fs::write(&file, two).unwrap();
+    let o = run_topo(&[("BRAID_TOPO_FILE", file.to_str().unwrap())]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("2 hosts"),
+        "{}",
+        show(&o)
+    );
+    std::fs::write(&file, "{\"version\": 1, \"hosts\": []}").unwrap();
+    let o = run_topo(&[("BRAID_TOPO_FILE", file.to_str().unwrap())]);
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        !o.status.success() && all.contains("BRAID_TOPO_FILE"),
+        "{}",
+        show(&o)
+    );
+    std::fs::remove_file(&file).unwrap();
+    println!("  braid topo, BRAID_TOPO_DUMP_FILE and BRAID_TOPO_FILE: ok");
 }
 
 fn test_launcher_stops_everyone_when_one_rank_fails() {
@@ -568,12 +601,14 @@ fn main() {
         return;
     }
     let before = braid_segments();
-    let tests: [(&str, fn()); 8] = [
+    let tests: [(&str, fn()); 10] = [
         ("matrix of ranks × dtypes × ops × counts", test_matrix),
         (
             "every algorithm of every collective, forced",
             test_algorithms,
         ),
+        ("tcp, several sockets, and shm+tcp hosts", test_transports),
+        ("braid topo and topology files", test_topo_command_and_files),
         (
             "launcher stops everyone when one rank fails",
             test_launcher_stops_everyone_when_one_rank_fails,

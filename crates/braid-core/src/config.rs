@@ -35,6 +35,28 @@ impl DebugLevel {
     }
 }
 
+/// Which transport connects ranks (`BRAID_TRANSPORT`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportKind {
+    /// Shared memory between ranks of one host, TCP between hosts (the default).
+    Auto,
+    /// Shared memory only: every rank must be on one host.
+    Shm,
+    /// TCP between every pair of ranks, even on one host.
+    Tcp,
+}
+
+impl TransportKind {
+    /// The name `BRAID_TRANSPORT` accepts.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Auto => "auto",
+            TransportKind::Shm => "shm",
+            TransportKind::Tcp => "tcp",
+        }
+    }
+}
+
 /// Tunables of a communicator. [`Config::default`] holds the built-in defaults; [`Config::from_env`]
 /// applies the environment on top of them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -65,6 +87,26 @@ pub struct Config {
     /// Log the flight recorder (the last collectives) when a collective fails (`BRAID_DUMP_ON_TIMEOUT`,
     /// default on).
     pub dump_on_timeout: bool,
+    /// Which transport connects ranks (`BRAID_TRANSPORT`: `auto`, `shm` or `tcp`; default `auto`).
+    pub transport: TransportKind,
+    /// TCP connections per pair of ranks and direction; each message is split across them
+    /// (`BRAID_SOCKETS_PER_PEER`, default 1).
+    pub sockets_per_peer: usize,
+    /// Interfaces TCP may use: comma-separated name prefixes, `^` excludes (`BRAID_SOCKET_IFNAME`, e.g.
+    /// `eth,^docker`). Default: the interface that routes to the bootstrap root.
+    pub socket_ifname: Option<String>,
+    /// This rank's host identity, overriding detection (`BRAID_HOST_ID`). Ranks with equal identities
+    /// are on one host.
+    pub host_id: Option<String>,
+    /// A topology file that says which ranks share a host (`BRAID_TOPO_FILE`); it shapes the
+    /// algorithms, while identities still decide which peers can use shared memory.
+    pub topo_file: Option<std::path::PathBuf>,
+    /// Infer which ranks share a host by measuring latency and bandwidth between every pair at start-up
+    /// (`BRAID_TOPO_PROBE`), for clouds where host identities do not tell.
+    pub topo_probe: bool,
+    /// Rank 0 writes the topology in use to this file, in the `BRAID_TOPO_FILE` format
+    /// (`BRAID_TOPO_DUMP_FILE`).
+    pub topo_dump_file: Option<std::path::PathBuf>,
 }
 
 impl Default for Config {
@@ -81,6 +123,13 @@ impl Default for Config {
             debug: DebugLevel::Error,
             debug_checks: false,
             dump_on_timeout: true,
+            transport: TransportKind::Auto,
+            sockets_per_peer: 1,
+            socket_ifname: None,
+            host_id: None,
+            topo_file: None,
+            topo_probe: false,
+            topo_dump_file: None,
         }
     }
 }
@@ -149,6 +198,37 @@ impl Config {
         if let Some(v) = lookup("BRAID_DUMP_ON_TIMEOUT") {
             c.dump_on_timeout = parse_bool("BRAID_DUMP_ON_TIMEOUT", &v)?;
         }
+        if let Some(v) = lookup("BRAID_TRANSPORT") {
+            c.transport = match v.trim().to_ascii_lowercase().as_str() {
+                "" | "auto" => TransportKind::Auto,
+                "shm" => TransportKind::Shm,
+                "tcp" => TransportKind::Tcp,
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "BRAID_TRANSPORT={v:?} is not a transport (auto, shm, tcp)"
+                    )))
+                }
+            };
+        }
+        if let Some(v) = lookup("BRAID_SOCKETS_PER_PEER") {
+            c.sockets_per_peer = parse_num("BRAID_SOCKETS_PER_PEER", &v, 1, 16)? as usize;
+        }
+        if let Some(v) = lookup("BRAID_SOCKET_IFNAME") {
+            c.socket_ifname = Some(v.trim().to_string()).filter(|v| !v.is_empty());
+        }
+        if let Some(v) = lookup("BRAID_HOST_ID") {
+            c.host_id = Some(v.trim().to_string()).filter(|v| !v.is_empty());
+        }
+        if let Some(v) = lookup("BRAID_TOPO_FILE") {
+            c.topo_file = Some(std::path::PathBuf::from(v)).filter(|p| !p.as_os_str().is_empty());
+        }
+        if let Some(v) = lookup("BRAID_TOPO_PROBE") {
+            c.topo_probe = parse_bool("BRAID_TOPO_PROBE", &v)?;
+        }
+        if let Some(v) = lookup("BRAID_TOPO_DUMP_FILE") {
+            c.topo_dump_file =
+                Some(std::path::PathBuf::from(v)).filter(|p| !p.as_os_str().is_empty());
+        }
         if let Some(v) = lookup("BRAID_DEBUG") {
             c.debug = match v.trim().to_ascii_lowercase().as_str() {
                 "" | "error" | "off" | "none" => DebugLevel::Error,
@@ -193,6 +273,10 @@ mod tests {
             ("BRAID_SLOTS", "4"),
             ("BRAID_ALGO", "Direct"),
             ("BRAID_DEBUG", "info"),
+            ("BRAID_TRANSPORT", "TCP"),
+            ("BRAID_SOCKETS_PER_PEER", "4"),
+            ("BRAID_SOCKET_IFNAME", "eth,^docker"),
+            ("BRAID_HOST_ID", "node-7"),
         ]))
         .unwrap();
         assert_eq!(c.timeout, Duration::from_millis(2500));
@@ -200,6 +284,10 @@ mod tests {
         assert_eq!(c.slots, 4);
         assert_eq!(c.algo.as_deref(), Some("Direct"));
         assert_eq!(c.debug, DebugLevel::Info);
+        assert_eq!(c.transport, TransportKind::Tcp);
+        assert_eq!(c.sockets_per_peer, 4);
+        assert_eq!(c.socket_ifname.as_deref(), Some("eth,^docker"));
+        assert_eq!(c.host_id.as_deref(), Some("node-7"));
     }
 
     #[test]
@@ -210,6 +298,9 @@ mod tests {
             ("BRAID_CHUNK_BYTES", "8"),
             ("BRAID_SLOTS", "1"),
             ("BRAID_DEBUG", "loud"),
+            ("BRAID_TRANSPORT", "carrier-pigeon"),
+            ("BRAID_SOCKETS_PER_PEER", "0"),
+            ("BRAID_SOCKETS_PER_PEER", "99"),
         ] {
             let e = Config::from_lookup(env(&[(k, v)])).unwrap_err();
             assert!(e.is_invalid_argument());

@@ -18,8 +18,12 @@
 //!   `n−1` contributions.
 //!
 //! The model ranks algorithms; its absolute numbers are only as good as `α`, `β` and `γ`.
+//!
+//! Across hosts there are two link classes ([`HostLinks`]): [`flat_ring_cost`] and [`hier_cost`] model
+//! the flat ring and the hierarchical all-reduce on them, and [`flat_ring_traffic`] and
+//! [`hier_traffic`] count what each rank sends and how much of it leaves its host.
 
-use crate::{chunks_needed, partition, rhd, tree};
+use crate::{chunks_needed, hier, partition, rhd, tree};
 
 /// Costs of one link, in microseconds.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -177,4 +181,218 @@ pub fn all_reduce_traffic(
         }
         _ => unreachable!("checked above"),
     }
+}
+
+/// Link costs of a job spread over several hosts, in microseconds: one class between ranks of one
+/// host, one between hosts.
+///
+/// # The model
+///
+/// Ranks of one host talk over their own links (shared memory); each host has one network link, shared
+/// by every rank of the host that sends at the same time, so `s` bytes sent at once by `m` ranks of a
+/// host take `α_x + m·s·β_x` to leave it. With `H` hosts, `S` ranks on the smallest host, `L` on the
+/// largest, `n` ranks in all, `B` bytes and partials `f` times the data (`f = 2` for f16/bf16):
+///
+/// - **Flat ring**, ranks host by host ([`crate::hier::host_order`]): every step of the ring moves one
+///   segment over every link at once, and exactly `H` of the `n` links cross hosts, one out of each
+///   host. A step takes as long as its slowest link, `max(α_i + s·β_i, α_x + s·β_x)`, so with
+///   `k = ⌈fB/n / chunk_bytes⌉` chunks per segment and steps of `s = B/(nk)` bytes (`fs` for
+///   partials): `T = k(n−1)·[step(fs) + fs·γ + step(s)]`. Each host's link carries the whole
+///   `(n−1)/n·B·(1+f)` that a ring rank sends (`2(n−1)/n·B` for `f = 1`).
+/// - **Hierarchical** ([`crate::hier::all_reduce`]): pieces of `s = B/(SHP)` bytes, with
+///   `P = ⌈fB/(SH) / chunk_bytes⌉` chunk positions. Per chunk position, each rank's host-local link
+///   moves `H(L−1)` partial pieces (reduce-scatter) and `H(L−1)` result pieces (all-gather):
+///   `t_i = H(L−1)·(2α_i + (1+f)s·β_i + fs·γ) + H·fs·γ` (the last term loads the owner's input into
+///   scratch). The `S` owners of a host run their inter-host rings at once, through the one host link:
+///   `t_x = (H−1)·(α_x + S·fs·β_x + fs·γ) + (H−1)·(α_x + S·s·β_x) + fs·γ`. The stages pipeline over
+///   the chunk positions (the inter-host step of chunk `c` runs while chunk `c+1` is reduced and chunk
+///   `c−1` gathered), so `T = t_i + t_x + (P−1)·max(t_i, t_x)`.
+///
+/// Over many chunks the flat ring's host link moves `(n−1)/n·B·(1+f)` at `β_x`, the hierarchical one's
+/// `(H−1)/H·B·(1+f)` (the same total whether `S` streams or one share the link), and its inter-host
+/// latency is `2(H−1)` steps per chunk position instead of `2(n−1)`: on a slow network, with `L ≥ 2`,
+/// its time on the host link is `n(H−1)/(H(n−1))` of the flat ring's (`1/2·n/(n−1)` for two hosts),
+/// and it pays far fewer inter-host latencies; the price is the host-local traffic of a reduce-scatter
+/// and an all-gather on every host, on links that are faster and run alongside. Summed over
+/// all host links, the flat ring crosses hosts with `H(n−1)/n·B·(1+f)` bytes, the hierarchical
+/// schedule with `(H−1)·B·(1+f)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HostLinks {
+    /// Latency of one message between ranks of one host (`α_i`).
+    pub intra_alpha_us: f64,
+    /// Time per byte between ranks of one host (`β_i`).
+    pub intra_beta_us_per_byte: f64,
+    /// Latency of one message between hosts (`α_x`).
+    pub inter_alpha_us: f64,
+    /// Time per byte through a host's network link (`β_x`), shared by the host's ranks.
+    pub inter_beta_us_per_byte: f64,
+    /// Time per (accumulator) byte reduced (`γ`).
+    pub gamma_us_per_byte: f64,
+}
+
+/// The modelled time, in microseconds, of a flat ring all-reduce of `bytes` bytes over hosts of
+/// `host_sizes` ranks, the ranks ordered host by host (see [`HostLinks`] for the formula). Partials
+/// weigh `acc_bytes_factor` times the data; a message carries at most `chunk_bytes` bytes of partials.
+pub fn flat_ring_cost(
+    host_sizes: &[usize],
+    bytes: usize,
+    acc_bytes_factor: f64,
+    chunk_bytes: usize,
+    links: &HostLinks,
+) -> f64 {
+    let n: usize = host_sizes.iter().sum();
+    if n <= 1 {
+        return 0.0;
+    }
+    let hosts = host_sizes.len();
+    let (nf, b, f) = (n as f64, bytes as f64, acc_bytes_factor);
+    let k = (b * f / nf / chunk_bytes.max(1) as f64).ceil().max(1.0);
+    let step = |s: f64| {
+        // Links within a host exist unless every host has one rank; links between hosts unless there
+        // is one host.
+        let intra = (n > hosts).then_some(links.intra_alpha_us + s * links.intra_beta_us_per_byte);
+        let inter = (hosts > 1).then_some(links.inter_alpha_us + s * links.inter_beta_us_per_byte);
+        intra.into_iter().chain(inter).fold(0.0, f64::max)
+    };
+    let (sp, sr) = (b * f / nf / k, b / nf / k);
+    k * (nf - 1.0) * (step(sp) + sp * links.gamma_us_per_byte + step(sr))
+}
+
+/// The modelled time, in microseconds, of the hierarchical all-reduce of `bytes` bytes over hosts of
+/// `host_sizes` ranks (see [`HostLinks`] for the formula). On one host, or with one rank per host, it
+/// is the flat ring, as the schedule is.
+pub fn hier_cost(
+    host_sizes: &[usize],
+    bytes: usize,
+    acc_bytes_factor: f64,
+    chunk_bytes: usize,
+    links: &HostLinks,
+) -> f64 {
+    let hosts = host_sizes.len();
+    let (smin, lmax) = (
+        host_sizes.iter().copied().min().unwrap_or(0),
+        host_sizes.iter().copied().max().unwrap_or(0),
+    );
+    if hosts <= 1 || lmax <= 1 || smin == 0 {
+        return flat_ring_cost(host_sizes, bytes, acc_bytes_factor, chunk_bytes, links);
+    }
+    let (h, s_, l) = (hosts as f64, smin as f64, lmax as f64);
+    let (b, f) = (bytes as f64, acc_bytes_factor);
+    let HostLinks {
+        intra_alpha_us: ai,
+        intra_beta_us_per_byte: bi,
+        inter_alpha_us: ax,
+        inter_beta_us_per_byte: bx,
+        gamma_us_per_byte: g,
+    } = *links;
+    let p = (b * f / (s_ * h) / chunk_bytes.max(1) as f64)
+        .ceil()
+        .max(1.0);
+    let s = b / (s_ * h * p);
+    let t_intra = h * (l - 1.0) * (2.0 * ai + (1.0 + f) * s * bi + f * s * g) + h * f * s * g;
+    let t_inter =
+        (h - 1.0) * (ax + s_ * f * s * bx + f * s * g) + (h - 1.0) * (ax + s_ * s * bx) + f * s * g;
+    t_intra + t_inter + (p - 1.0) * t_intra.max(t_inter)
+}
+
+/// What one rank sends in a schedule: messages, payload bytes, and the part of those bytes that
+/// leaves its host.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    /// Messages sent (empty ones included).
+    pub messages: usize,
+    /// Payload bytes sent.
+    pub bytes: usize,
+    /// Payload bytes sent to ranks on other hosts.
+    pub inter_host_bytes: usize,
+}
+
+/// What rank `rank` sends in the flat ring all-reduce over the ranks host by host
+/// (`ring::all_reduce_ordered(&hier::host_order(hosts), …)`) of `count` elements of `elem_bytes`
+/// bytes (partials `acc_bytes`), `chunk` elements per message.
+///
+/// # Panics
+///
+/// As [`crate::hier::all_reduce`].
+pub fn flat_ring_traffic(
+    hosts: &[Vec<usize>],
+    rank: usize,
+    count: usize,
+    elem_bytes: usize,
+    acc_bytes: usize,
+    chunk: usize,
+) -> Traffic {
+    let (h, _) = hier::locate(hosts, rank);
+    let order = hier::host_order(hosts);
+    let n = order.len();
+    let v = order
+        .iter()
+        .position(|&r| r == rank)
+        .expect("located above");
+    // The ring's traffic depends only on the position on the ring.
+    let (messages, bytes) = all_reduce_traffic("ring", n, v, count, elem_bytes, acc_bytes, chunk);
+    let next = order[(v + 1) % n];
+    let crosses = n > 1 && hier::locate(hosts, next).0 != h;
+    Traffic {
+        messages,
+        bytes,
+        inter_host_bytes: if crosses { bytes } else { 0 },
+    }
+}
+
+/// What rank `rank` sends in [`crate::hier::all_reduce`] of `count` elements of `elem_bytes` bytes
+/// (partials `acc_bytes`), `chunk` elements per message. Empty pieces send nothing.
+///
+/// Local rank `i` of a host of `L_h ≥ 2` ranks passes on, in its host's reduce-scatter, the partial of
+/// every shard but its own, and in the all-gather every shard but that of the next local rank
+/// (`i+1 mod L_h`); an owner of shard `i` on host `h` of `H` sends, across hosts, the partials of every
+/// segment of its shard but segment `h`, and the results of every segment but segment `h+1 mod H`.
+///
+/// # Panics
+///
+/// As [`crate::hier::all_reduce`].
+pub fn hier_traffic(
+    hosts: &[Vec<usize>],
+    rank: usize,
+    count: usize,
+    elem_bytes: usize,
+    acc_bytes: usize,
+    chunk: usize,
+) -> Traffic {
+    let (h, i) = hier::locate(hosts, rank);
+    assert!(chunk > 0, "chunk of zero elements");
+    let nh = hosts.len();
+    let lmax = hosts.iter().map(Vec::len).max().unwrap_or(1);
+    if nh == 1 || lmax == 1 {
+        return flat_ring_traffic(hosts, rank, count, elem_bytes, acc_bytes, chunk);
+    }
+    let s = hier::shards(hosts);
+    let lh = hosts[h].len();
+    let pieces = hier::Pieces::new(count, s, nh, chunk);
+    let msgs = |r: &std::ops::Range<usize>| r.len().div_ceil(chunk);
+    let shard_len = |j: usize| pieces.segs[j].iter().map(|r| r.len()).sum::<usize>();
+    let shard_msgs = |j: usize| pieces.segs[j].iter().map(msgs).sum::<usize>();
+    let mut t = Traffic::default();
+    if lh > 1 {
+        for j in (0..s).filter(|&j| j != i) {
+            t.messages += shard_msgs(j);
+            t.bytes += shard_len(j) * acc_bytes;
+        }
+        for j in (0..s).filter(|&j| j != (i + 1) % lh) {
+            t.messages += shard_msgs(j);
+            t.bytes += shard_len(j) * elem_bytes;
+        }
+    }
+    if i < s {
+        let segs = &pieces.segs[i];
+        for (k, seg) in segs.iter().enumerate() {
+            let sends = usize::from(k != h) + usize::from(k != (h + 1) % nh);
+            t.messages += sends * msgs(seg);
+            let b = seg.len() * (usize::from(k != h) * acc_bytes)
+                + seg.len() * (usize::from(k != (h + 1) % nh) * elem_bytes);
+            t.bytes += b;
+            t.inter_host_bytes += b;
+        }
+    }
+    t
 }

@@ -5,6 +5,11 @@
 //! every algorithm on 1..64 simulated ranks in memory ([`sim`]) and check results bit for bit; the
 //! runtime's executor walks the very same actions over shared memory or sockets.
 //!
+//! Topology-aware schedules take the hosts into account: [`ring::all_reduce_ordered`] runs the ring in
+//! any rank order (host by host, it crosses each host boundary once), and [`hier`] reduces within each
+//! host, all-reduces across hosts and gathers within each host; [`cost`] models both with one link class
+//! within hosts and one between them.
+//!
 //! Actions are fused the way the data moves: "receive a partial, combine it with my input, put the result
 //! in the next peer's slot" is one action, so an executor can read each byte once.
 //!
@@ -21,6 +26,7 @@
 
 pub mod cost;
 pub mod direct;
+pub mod hier;
 pub mod rhd;
 pub mod ring;
 pub mod sim;

@@ -18,6 +18,8 @@ pub struct Outcome {
     pub bytes_sent: Vec<usize>,
     /// Messages each rank sent.
     pub messages: Vec<usize>,
+    /// Payload bytes sent over each link: `link_bytes[from][to]`.
+    pub link_bytes: Vec<Vec<usize>>,
 }
 
 /// Why a simulated run failed.
@@ -99,6 +101,7 @@ pub fn run(
     let mut scratch: Vec<Vec<u8>> = vec![Vec::new(); n];
     let mut bytes_sent = vec![0usize; n];
     let mut messages = vec![0usize; n];
+    let mut link_bytes = vec![vec![0usize; n]; n];
     loop {
         let mut progressed = false;
         for r in 0..n {
@@ -126,6 +129,7 @@ pub fn run(
                 let input = &inputs[r];
                 let mut send = |to: usize, m: Vec<u8>, net: &mut Net| {
                     bytes_sent[r] += m.len();
+                    link_bytes[r][to] += m.len();
                     messages[r] += 1;
                     net.queues[r * n + to].push_back(m);
                 };
@@ -230,6 +234,7 @@ pub fn run(
                 outputs,
                 bytes_sent,
                 messages,
+                link_bytes,
             });
         }
         if !progressed {

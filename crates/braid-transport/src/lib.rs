@@ -1,5 +1,8 @@
 //! braid-transport: the one primitive every algorithm runs on.
 //!
+//! Transports: shared memory between ranks of one host ([`shm`]) and TCP between hosts ([`tcp`]);
+//! [`Transport`] puts them behind one interface, routing each peer to one of them.
+//!
 //! A sender reserves a slot that the *receiver* owns ([`shm::ShmTransport::send_slot`]), writes into it and
 //! posts it with a length and a tag; the receiver waits for the post ([`shm::ShmTransport::recv`]), reads
 //! the slot in place and releases it, which returns a credit to the sender. NCCL's connectors, MSCCL++'s
@@ -13,6 +16,9 @@
 //! every few milliseconds to check its deadline, an abort request and whether the peer is still alive.
 
 pub mod shm;
+pub mod tcp;
+mod transport;
 mod wait;
 
+pub use transport::{Handle, RecvSlot, Route, SendSlot, Transport};
 pub use wait::{peer_alive, peer_stopped, WaitCtx, WaitPolicy};

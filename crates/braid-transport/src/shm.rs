@@ -451,7 +451,11 @@ impl ShmTransport {
                     let seg = if cur == self.maps.rank {
                         &self.maps.own
                     } else {
-                        self.peer(cur)
+                        // A peer reached over another transport publishes nothing here.
+                        match self.maps.peers[cur].as_ref() {
+                            Some(seg) => seg,
+                            None => break,
+                        }
                     };
                     // A stopped process is the silent one, whatever wait it had published.
                     if cur != self.maps.rank && peer_stopped(seg.pid()) {

@@ -29,6 +29,7 @@ impl WaitPolicy {
 }
 
 /// Who is waiting for what, so that a failed wait produces an error that names everything.
+#[derive(Clone, Copy)]
 pub struct WaitCtx<'a> {
     /// This rank.
     pub rank: usize,
@@ -156,7 +157,7 @@ pub(crate) fn wait_until(
 }
 
 /// Sleeps while `*word == seen`, at most `timeout`. Spurious returns are fine: callers re-check.
-fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
+pub(crate) fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs() as libc::time_t,
         tv_nsec: timeout.subsec_nanos() as _,

@@ -17,9 +17,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use braid_core::{Config, DType, Element, Error, ReduceOp};
-use braid_transport::shm::{Layout, Mappings, Segment, ShmTransport};
-use braid_transport::WaitPolicy;
+use braid_core::{Config, DType, Element, Error, ReduceOp, TransportKind};
+use braid_transport::shm::{Layout, Segment, ShmTransport};
+use braid_transport::tcp::{self, TcpEndpoint, TcpOptions};
+use braid_transport::{Handle, Route, Transport, WaitPolicy};
 use parking_lot::{Condvar, Mutex};
 use tracing::{debug, error};
 
@@ -42,6 +43,12 @@ pub struct Communicator {
 struct Inner {
     rank: usize,
     world: usize,
+    /// How each peer is reached ("self", "shm" or "tcp"), indexed by rank.
+    routes: Vec<&'static str>,
+    /// The ranks of each host.
+    hosts: Vec<Vec<usize>>,
+    /// Where the ranks are, as the communicator decided it.
+    topology: braid_topo::Topology,
     config: Config,
     exec: Mutex<Executor>,
     queue: Mutex<VecDeque<Arc<Task>>>,
@@ -49,7 +56,7 @@ struct Inner {
     abort: Arc<AtomicBool>,
     shutdown: AtomicBool,
     sticky: Mutex<Option<Error>>,
-    maps: Option<Arc<Mappings>>,
+    maps: Option<Handle>,
     recorder: crate::recorder::Recorder,
     progress: Mutex<Option<JoinHandle<()>>>,
 }
@@ -114,10 +121,112 @@ impl<R: 'static> Work<R> {
 }
 
 /// The identity of this host: equal strings mean the same kernel (and the same `/dev/shm`).
+/// Where the ranks are: the topology file if there is one, else what probing infers if asked, else the
+/// grouping by host identity. Rank 0 writes it to `BRAID_TOPO_DUMP_FILE` if set.
+fn choose_topology(
+    config: &Config,
+    table: &[PeerInfo],
+    transport: Option<&Transport>,
+    rank: usize,
+    deadline: Instant,
+) -> Result<braid_topo::Topology, Error> {
+    let world = table.len();
+    let topology = if let Some(path) = &config.topo_file {
+        let t = braid_topo::Topology::load(path)
+            .and_then(|t| t.check_world_size(world).map(|_| t))
+            .map_err(|e| Error::invalid(format!("BRAID_TOPO_FILE={}: {e}", path.display())))?;
+        debug!(rank, hosts = t.hosts.len(), "topology from file");
+        t
+    } else if let (true, Some(t)) = (config.topo_probe, transport) {
+        let (lat, bw) = crate::probe::measure(t, rank, world, deadline)?;
+        let (topology, inference) =
+            braid_topo::infer_topology(Some(&lat), Some(&bw), &braid_topo::ProbeOptions::default())
+                .map_err(|e| Error::Bootstrap(format!("BRAID_TOPO_PROBE: {e}")))?;
+        if rank == 0 {
+            tracing::info!(
+                groups = ?inference.groups,
+                confidence = inference.confidence,
+                "probed topology: {}",
+                inference.reason
+            );
+        }
+        topology
+    } else {
+        let ids: Vec<&str> = table.iter().map(|i| i.host.as_str()).collect();
+        braid_topo::Topology::from_identities(&ids)
+            .map_err(|e| Error::Bootstrap(format!("host identities: {e}")))?
+    };
+    if let (0, Some(path)) = (rank, &config.topo_dump_file) {
+        topology
+            .save(path)
+            .map_err(|e| Error::invalid(format!("BRAID_TOPO_DUMP_FILE={}: {e}", path.display())))?;
+    }
+    Ok(topology)
+}
+
+/// The link between hosts as probing measured it (median latency and bandwidth over every pair of ranks
+/// on different hosts), for the tuner's model.
+fn measured_tcp_link(t: &braid_topo::Topology) -> Option<crate::tune::LinkParams> {
+    if t.source != braid_topo::Source::Probed {
+        return None;
+    }
+    let median = |mut v: Vec<f64>| {
+        v.retain(|x| x.is_finite() && *x > 0.0);
+        v.sort_by(f64::total_cmp);
+        (!v.is_empty()).then(|| v[v.len() / 2])
+    };
+    let between = || t.links.iter().filter(|l| !l.class.is_intra_host());
+    let latency = median(between().filter_map(|l| l.latency).collect())?;
+    let bandwidth = median(between().filter_map(|l| l.bandwidth).collect())?;
+    Some(crate::tune::LinkParams {
+        alpha_us: latency * 1e6,
+        beta_us_per_byte: 1e6 / bandwidth,
+        gamma_us_per_byte: crate::tune::LinkParams::SHM_DEFAULT.gamma_us_per_byte,
+    })
+}
+
+/// How this rank reaches each peer: shared memory when both are on one host and both have a segment,
+/// TCP otherwise. Both sides of a pair decide alike from the same table.
+fn routes(rank: usize, table: &[PeerInfo], config: &Config) -> Result<Vec<Route>, Error> {
+    let me = &table[rank];
+    table
+        .iter()
+        .enumerate()
+        .map(|(p, info)| {
+            if p == rank {
+                return Ok(Route::Local);
+            }
+            if info.host == me.host && !info.shm_path.is_empty() && !me.shm_path.is_empty() {
+                return Ok(Route::Shm);
+            }
+            if me.tcp_addr.is_empty() || info.tcp_addr.is_empty() {
+                let why = if info.host != me.host {
+                    format!(
+                        "rank {p} runs on another host ({}) than rank {rank} ({})",
+                        info.host, me.host
+                    )
+                } else {
+                    format!("ranks {rank} and {p} have no transport in common")
+                };
+                return Err(Error::Bootstrap(format!(
+                    "{why}, and TCP is off on one of them (BRAID_TRANSPORT={} here; use auto or tcp on every rank)",
+                    config.transport.name()
+                )));
+            }
+            Ok(Route::Tcp)
+        })
+        .collect()
+}
+
+/// This host's identity: hostname, boot id and network namespace, so that containers or network
+/// namespaces sharing a kernel count as separate hosts (`BRAID_HOST_ID` overrides it).
 fn host_identity() -> String {
     let name = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
-    format!("{}#{}", name.trim(), boot.trim())
+    let netns = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    format!("{}#{}#{}", name.trim(), boot.trim(), netns)
 }
 
 /// Holds back SIGTERM, SIGINT and SIGHUP on this thread while alive; a signal that arrives meanwhile is
@@ -208,7 +317,14 @@ impl Communicator {
             slots: config.slots,
             slot_bytes,
         };
-        let own = if world > 1 {
+        let host = config.host_id.clone().unwrap_or_else(host_identity);
+        let endpoint = if world > 1 && config.transport != TransportKind::Shm {
+            let ip = tcp::choose_ip(config.socket_ifname.as_deref(), id.addr())?;
+            Some(TcpEndpoint::bind(ip)?)
+        } else {
+            None
+        };
+        let own = if world > 1 && config.transport != TransportKind::Tcp {
             braid_transport::shm::sweep_stale(std::path::Path::new("/dev/shm"));
             let nonce = random_secret()?;
             let name = format!(
@@ -225,10 +341,14 @@ impl Communicator {
         };
         let me = PeerInfo {
             pid: std::process::id(),
-            host: host_identity(),
+            host,
             shm_path: own
                 .as_ref()
                 .map(|s| s.path().display().to_string())
+                .unwrap_or_default(),
+            tcp_addr: endpoint
+                .as_ref()
+                .map(|e| e.addr().to_string())
                 .unwrap_or_default(),
         };
         let agreed = Agreed {
@@ -237,49 +357,104 @@ impl Communicator {
             slot_bytes: layout.slot_bytes as u32,
         };
         let (table, mut links) = bootstrap::join(id, rank, agreed, me.clone(), deadline)?;
-        let transport = match own {
-            None => None,
-            Some(own) => {
-                let mut peers = Vec::with_capacity(world);
-                for (p, info) in table.iter().enumerate() {
-                    if p == rank {
-                        peers.push(None);
-                        continue;
+        let transport = if world == 1 {
+            None
+        } else {
+            let routes = routes(rank, &table, &config)?;
+            let local = table.iter().filter(|i| i.host == me.host).count();
+            let policy = WaitPolicy::for_host(local, config.spin_us);
+            let shm = match own {
+                Some(own) if routes.contains(&Route::Shm) => {
+                    let mut peers = Vec::with_capacity(world);
+                    for (p, info) in table.iter().enumerate() {
+                        peers.push(if routes[p] == Route::Shm {
+                            Some(Segment::open(
+                                std::path::Path::new(&info.shm_path),
+                                layout,
+                                p,
+                            )?)
+                        } else {
+                            None
+                        });
                     }
-                    if info.host != me.host {
-                        return Err(Error::Bootstrap(format!(
-                            "rank {p} runs on another host ({}) than rank {rank} ({}); this build connects ranks \
-                             of one host only, over shared memory",
-                            info.host, me.host
-                        )));
-                    }
-                    peers.push(Some(Segment::open(
-                        std::path::Path::new(&info.shm_path),
-                        layout,
-                        p,
-                    )?));
+                    Some((own, peers))
                 }
-                // Everyone has mapped everyone: the names can go, so nothing outlives a killed process.
-                // A launcher stopping the job right now must not catch us between the two steps.
-                let _hold = TerminationHold::new();
-                links.barrier(1, deadline)?;
-                own.unlink()?;
-                Some(ShmTransport::new(
-                    own,
-                    peers,
-                    WaitPolicy::for_host(world, config.spin_us),
-                ))
-            }
+                // Nobody maps it: it goes when dropped.
+                _ => None,
+            };
+            let tcp = match endpoint {
+                Some(ep) if routes.contains(&Route::Tcp) => {
+                    let addrs = table
+                        .iter()
+                        .enumerate()
+                        .map(|(p, info)| {
+                            if routes[p] != Route::Tcp {
+                                return Ok(None);
+                            }
+                            info.tcp_addr.parse().map(Some).map_err(|_| {
+                                Error::Bootstrap(format!(
+                                    "rank {p} published no usable TCP address ({:?})",
+                                    info.tcp_addr
+                                ))
+                            })
+                        })
+                        .collect::<Result<Vec<_>, Error>>()?;
+                    let opts = TcpOptions {
+                        rank,
+                        world,
+                        slots: layout.slots,
+                        slot_bytes: layout.slot_bytes,
+                        sockets_per_peer: config.sockets_per_peer,
+                        secret: *id.secret(),
+                        policy,
+                    };
+                    Some(ep.connect(opts, &addrs, deadline)?)
+                }
+                _ => None,
+            };
+            // Everyone has mapped everyone and every connection is up: the names can go, so nothing
+            // outlives a killed process. A launcher stopping the job right now must not catch us
+            // between the two steps.
+            let _hold = TerminationHold::new();
+            links.barrier(1, deadline)?;
+            let shm = match shm {
+                Some((own, peers)) => {
+                    own.unlink()?;
+                    Some(ShmTransport::new(own, peers, policy))
+                }
+                None => None,
+            };
+            debug!(
+                rank,
+                routes = ?routes.iter().map(|r| r.name()).collect::<Vec<_>>(),
+                "transports ready"
+            );
+            Some(Transport::new(routes, shm, tcp))
         };
         drop(links);
         let abort = Arc::new(AtomicBool::new(false));
-        let maps = transport.as_ref().map(|t| t.mappings());
+        let maps = transport.as_ref().map(Transport::handle);
         debug!(rank, world, "communicator ready");
-        let executor = Executor::new(rank, world, config.clone(), tuner, transport, abort.clone());
+        let routes: Vec<&'static str> = match &transport {
+            Some(t) => t.routes().iter().map(|r| r.name()).collect(),
+            None => vec![Route::Local.name()],
+        };
+        let topology = choose_topology(&config, &table, transport.as_ref(), rank, deadline)?;
+        let hosts = topology.host_groups();
+        let mut executor =
+            Executor::new(rank, world, config.clone(), tuner, transport, abort.clone());
+        executor.set_hosts(hosts.clone());
+        if let Some(link) = measured_tcp_link(&topology) {
+            debug!(rank, ?link, "link between hosts, as probed");
+            executor.tuner.set_tcp_link(link);
+        }
         let recorder = executor.recorder.clone();
         let inner = Inner {
             rank,
             world,
+            routes,
+            hosts,
+            topology,
             exec: Mutex::new(executor),
             recorder,
             config,
@@ -312,6 +487,44 @@ impl Communicator {
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
         self.inner.world
+    }
+
+    /// How this rank reaches each rank: `"self"`, `"shm"` or `"tcp"`, indexed by rank.
+    pub fn peer_transports(&self) -> &[&'static str] {
+        &self.inner.routes
+    }
+
+    /// The ranks of each host, as the communicator groups them (hosts in order of their first rank).
+    pub fn hosts(&self) -> &[Vec<usize>] {
+        &self.inner.hosts
+    }
+
+    /// The topology in use: from `BRAID_TOPO_FILE`, from probing (`BRAID_TOPO_PROBE`), or from the host
+    /// identities exchanged at bootstrap.
+    pub fn topology(&self) -> &braid_topo::Topology {
+        &self.inner.topology
+    }
+
+    /// A one-line summary of the transports in use, e.g. `shm+tcp, 2 hosts`.
+    pub fn transports_summary(&self) -> String {
+        let mut kinds: Vec<&str> = self
+            .inner
+            .routes
+            .iter()
+            .copied()
+            .filter(|r| *r != "self")
+            .collect();
+        kinds.sort_unstable();
+        kinds.dedup();
+        let kinds = if kinds.is_empty() {
+            "nothing (one rank)".to_string()
+        } else {
+            kinds.join("+")
+        };
+        match self.inner.hosts.len() {
+            1 => format!("{kinds}, 1 host"),
+            h => format!("{kinds}, {h} hosts"),
+        }
     }
 
     /// The configuration in effect.
@@ -473,6 +686,39 @@ impl Communicator {
             dtype,
             ReduceOp::Sum,
             count,
+            In::Buf(send),
+            recv,
+        )
+    }
+
+    /// All-to-all: `send` and `recv` each hold `world` blocks of equal size; rank `r`'s send block `j`
+    /// arrives in rank `j`'s receive block `r` (its own block is copied locally). The block size is
+    /// `send.len() / world` bytes, a whole number of `dtype` elements.
+    pub fn all_to_all_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+    ) -> Result<(), Error> {
+        let world = self.inner.world;
+        let total = self.elems(send.len(), dtype, "send")?;
+        if total % world != 0 {
+            return Err(Error::invalid(format!(
+                "all_to_all: the send buffer's {total} {dtype} elements do not split into {world} equal blocks"
+            )));
+        }
+        if recv.len() != send.len() {
+            return Err(Error::invalid(format!(
+                "all_to_all: receive buffer has {} bytes, send buffer {} (both must hold world × block)",
+                recv.len(),
+                send.len()
+            )));
+        }
+        self.run(
+            Kind::AllToAll,
+            dtype,
+            ReduceOp::Sum,
+            total / world,
             In::Buf(send),
             recv,
         )
@@ -690,6 +936,30 @@ impl Communicator {
             )
         };
         self.run_blocking(op)
+    }
+
+    /// All-to-all of per-peer blocks: `send` and `recv` both hold `world × block` elements; this rank's
+    /// send block `j` goes to rank `j`, and receive block `p` is what rank `p` sent to this rank.
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<(), Error> {
+        let world = self.inner.world;
+        if send.len() % world != 0 {
+            return Err(Error::invalid(format!(
+                "all_to_all: {} send elements do not split into {world} equal blocks",
+                send.len()
+            )));
+        }
+        if recv.len() != send.len() {
+            return Err(Error::invalid(format!(
+                "all_to_all: receive buffer has {} elements, send buffer {} (both must hold world × block)",
+                recv.len(),
+                send.len()
+            )));
+        }
+        self.all_to_all_bytes(
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            T::DTYPE,
+        )
     }
 
     /// Broadcast from `root`: `send` is read on the root only (pass `&[]` elsewhere).

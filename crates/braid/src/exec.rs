@@ -12,9 +12,8 @@ use std::time::Instant;
 
 use braid_core::reduce::{self, Src};
 use braid_core::{Config, DType, Error, ReduceOp};
-use braid_sched::{direct, rhd, ring, tree, Action, Buf};
-use braid_transport::shm::{RecvSlot, ShmTransport};
-use braid_transport::WaitCtx;
+use braid_sched::{direct, hier, rhd, ring, tree, Action, Buf};
+use braid_transport::{RecvSlot, Transport, WaitCtx};
 use tracing::{error, trace};
 
 use crate::recorder::Recorder;
@@ -30,6 +29,7 @@ pub(crate) enum Kind {
     Broadcast { root: usize },
     Reduce { root: usize },
     Barrier,
+    AllToAll,
 }
 
 impl Kind {
@@ -41,7 +41,7 @@ impl Kind {
             Kind::AllGather => Some(Collective::AllGather),
             Kind::Broadcast { .. } => Some(Collective::Broadcast),
             Kind::Reduce { .. } => Some(Collective::Reduce),
-            Kind::Barrier => None,
+            Kind::Barrier | Kind::AllToAll => None,
         }
     }
 
@@ -53,12 +53,13 @@ impl Kind {
             Kind::Broadcast { .. } => "broadcast",
             Kind::Reduce { .. } => "reduce",
             Kind::Barrier => "barrier",
+            Kind::AllToAll => "all_to_all",
         }
     }
 }
 
 /// One collective call, validated: `count` is in the collective's NCCL convention (all-reduce: elements
-/// per buffer; reduce-scatter: output elements; all-gather: input elements).
+/// per buffer; reduce-scatter: output elements; all-gather: input elements; all-to-all: elements per peer).
 pub(crate) struct Op {
     pub kind: Kind,
     pub dtype: DType,
@@ -162,12 +163,14 @@ pub(crate) struct Executor {
     pub world: usize,
     config: Config,
     pub tuner: Tuner,
-    transport: Option<ShmTransport>,
+    transport: Option<Transport>,
     abort: Arc<AtomicBool>,
     seq: u64,
     pub recorder: Recorder,
     /// The last plan, and whether it accumulates in scratch.
     cache: Option<(PlanKey, Vec<Action>, bool)>,
+    /// Ranks of each host, when there is more than one host (rings then visit hosts in turn).
+    hosts: Vec<Vec<usize>>,
     /// Accumulator-typed scratch for schedules that merge several partials at one rank (u64 words, so
     /// it is aligned for every accumulator type).
     scratch: Vec<u64>,
@@ -187,7 +190,7 @@ impl Executor {
         world: usize,
         config: Config,
         tuner: Tuner,
-        transport: Option<ShmTransport>,
+        transport: Option<Transport>,
         abort: Arc<AtomicBool>,
     ) -> Executor {
         Executor {
@@ -200,8 +203,16 @@ impl Executor {
             seq: 0,
             recorder: Recorder::default(),
             cache: None,
+            hosts: Vec::new(),
             scratch: Vec::new(),
         }
+    }
+
+    /// Sets the ranks of each host (called once, after the bootstrap).
+    pub(crate) fn set_hosts(&mut self, hosts: Vec<Vec<usize>>) {
+        self.tuner.set_hosts(hosts.iter().map(Vec::len).collect());
+        self.hosts = if hosts.len() > 1 { hosts } else { Vec::new() };
+        self.cache = None;
     }
 
     /// The sequence number the next op will get.
@@ -224,21 +235,35 @@ impl Executor {
     fn build_plan(&self, key: PlanKey) -> Vec<Action> {
         let (n, r, c, chunk) = (self.world, self.rank, key.count, key.chunk);
         match (key.kind, key.algo) {
+            (Kind::AllReduce, Algo::Ring) if !self.hosts.is_empty() => {
+                ring::all_reduce_ordered(&hier::host_order(&self.hosts), r, c, chunk)
+            }
             (Kind::AllReduce, Algo::Ring) => {
                 ring::all_reduce_channels(n, r, c, chunk, self.config.channels)
             }
+            (Kind::AllReduce, Algo::Hier) if !self.hosts.is_empty() => {
+                hier::all_reduce(&self.hosts, r, c, chunk)
+            }
+            (Kind::AllReduce, Algo::Hier) => ring::all_reduce(n, r, c, chunk),
             (Kind::AllReduce, Algo::Tree) => tree::all_reduce(n, r, c, chunk),
             (Kind::AllReduce, Algo::Rhd) => rhd::all_reduce(n, r, c, chunk),
             (Kind::AllReduce, Algo::Direct) => direct::all_reduce(n, r, c, chunk),
             (Kind::ReduceScatter, Algo::Direct) => direct::reduce_scatter(n, r, c, chunk),
+            (Kind::ReduceScatter, _) if !self.hosts.is_empty() => {
+                ring::reduce_scatter_ordered(&hier::host_order(&self.hosts), r, c, chunk)
+            }
             (Kind::ReduceScatter, _) => ring::reduce_scatter(n, r, c, chunk),
             (Kind::AllGather, Algo::Direct) => direct::all_gather(n, r, c, chunk),
+            (Kind::AllGather, _) if !self.hosts.is_empty() => {
+                ring::all_gather_ordered(&hier::host_order(&self.hosts), r, c, chunk)
+            }
             (Kind::AllGather, _) => ring::all_gather(n, r, c, chunk),
             (Kind::Broadcast { root }, Algo::Tree) => tree::broadcast(n, r, root, c, chunk),
             (Kind::Broadcast { root }, _) => ring::broadcast(n, r, root, c, chunk),
             (Kind::Reduce { root }, Algo::Tree) => tree::reduce(n, r, root, c, chunk),
             (Kind::Reduce { root }, _) => ring::reduce(n, r, root, c, chunk),
             (Kind::Barrier, _) => direct::barrier(n, r),
+            (Kind::AllToAll, _) => direct::all_to_all(n, r, c, chunk),
         }
     }
 
@@ -324,6 +349,7 @@ fn fingerprint(op: &Op, seq: u64) -> Fingerprint {
         Kind::Broadcast { root } => (3, root),
         Kind::Reduce { root } => (4, root),
         Kind::Barrier => (5, 0),
+        Kind::AllToAll => (6, 0),
     };
     Fingerprint {
         kind,
@@ -337,7 +363,7 @@ fn fingerprint(op: &Op, seq: u64) -> Fingerprint {
 
 /// Sends this rank's fingerprint to every peer and compares theirs with it (`BRAID_DEBUG_CHECKS`).
 fn check_fingerprints(
-    t: &ShmTransport,
+    t: &Transport,
     ctx: &WaitCtx<'_>,
     world: usize,
     op: &Op,
@@ -348,7 +374,7 @@ fn check_fingerprints(
     for k in 1..world {
         let mut s = t.send_slot((ctx.rank + k) % world, ctx)?;
         s.data()[..bytes.len()].copy_from_slice(&bytes);
-        s.post(bytes.len());
+        s.post(bytes.len(), ctx)?;
     }
     let mut first_err = None;
     for k in 1..world {
@@ -399,7 +425,7 @@ fn expect_len(ctx: &WaitCtx<'_>, peer: usize, got: usize, want: usize) -> Result
 }
 
 /// Executes one action.
-fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Result<(), Error> {
+fn step(t: &Transport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Result<(), Error> {
     let op = bufs.op;
     let (dtype, es, acc) = (op.dtype, bufs.es, op.dtype.accumulator().size());
     match a {
@@ -411,13 +437,13 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
                 Buf::Output => &*bufs.output(range),
             };
             s.data()[..src.len()].copy_from_slice(src);
-            s.post(src.len());
+            s.post(src.len(), ctx)?;
         }
         Action::SendAcc { to, range } => {
             let mut s = t.send_slot(*to, ctx)?;
             let len = range.len() * acc;
             reduce::to_acc(dtype, &mut s.data()[..len], bufs.input(range));
-            s.post(len);
+            s.post(len, ctx)?;
         }
         Action::RecvReduceSend { from, to, range } => {
             let m = t.recv(*from, ctx)?;
@@ -431,7 +457,7 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
                 m.data(),
                 bufs.input(range),
             );
-            s.post(len);
+            s.post(len, ctx)?;
         }
         Action::RecvReduceFinal {
             from,
@@ -460,7 +486,7 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
                 let mut s = t.send_slot(*to, ctx)?;
                 let out = bufs.output(output);
                 s.data()[..out.len()].copy_from_slice(out);
-                s.post(out.len());
+                s.post(out.len(), ctx)?;
             }
         }
         Action::RecvCopy {
@@ -474,7 +500,7 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
             if let Some(to) = forward {
                 let mut s = t.send_slot(*to, ctx)?;
                 s.data()[..m.data().len()].copy_from_slice(m.data());
-                s.post(m.data().len());
+                s.post(m.data().len(), ctx)?;
             }
         }
         Action::LoadAcc { range } => {
@@ -501,7 +527,7 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
             let sc = bufs.scratch.borrow();
             let src = &sc[range.start * acc..range.end * acc];
             s.data()[..src.len()].copy_from_slice(src);
-            s.post(src.len());
+            s.post(src.len(), ctx)?;
         }
         Action::FinishScratch { range, nranks } => {
             let sc = bufs.scratch.borrow();
@@ -534,7 +560,7 @@ fn step(t: &ShmTransport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Res
 /// Receives `input`'s counterpart from every other rank and reduces all contributions in rank order
 /// into `output`.
 fn reduce_all<'t>(
-    t: &'t ShmTransport,
+    t: &'t Transport,
     ctx: &WaitCtx<'_>,
     bufs: &Bufs<'_>,
     input: &Range<usize>,

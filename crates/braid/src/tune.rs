@@ -6,7 +6,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use braid_core::Error;
-use braid_sched::cost::{all_reduce_cost, LinkCost};
+use braid_sched::cost::{all_reduce_cost, flat_ring_cost, hier_cost, HostLinks, LinkCost};
 use serde::{Deserialize, Serialize};
 
 /// A collective algorithm. The names are used everywhere: environment, CLI, logs, JSON.
@@ -20,11 +20,14 @@ pub enum Algo {
     Rhd,
     /// Every rank sends to every other rank at once.
     Direct,
+    /// Hierarchical: reduce-scatter inside each host, all-reduce of each shard across hosts (every local
+    /// rank drives its own shard), all-gather inside each host. On one host it is the ring.
+    Hier,
 }
 
 impl Algo {
     /// Every algorithm.
-    pub const ALL: [Algo; 4] = [Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Direct];
+    pub const ALL: [Algo; 5] = [Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Direct, Algo::Hier];
 
     /// The algorithm's name.
     pub fn name(self) -> &'static str {
@@ -33,6 +36,7 @@ impl Algo {
             Algo::Tree => "tree",
             Algo::Rhd => "rhd",
             Algo::Direct => "direct",
+            Algo::Hier => "hier",
         }
     }
 }
@@ -50,7 +54,9 @@ impl FromStr for Algo {
             .into_iter()
             .find(|a| a.name() == s.trim().to_ascii_lowercase())
             .ok_or_else(|| {
-                Error::invalid(format!("unknown algorithm {s:?} (ring, tree, rhd, direct)"))
+                Error::invalid(format!(
+                    "unknown algorithm {s:?} (ring, tree, rhd, direct, hier)"
+                ))
             })
     }
 }
@@ -94,7 +100,7 @@ impl Collective {
     /// The algorithms implemented for it.
     pub fn algos(self) -> &'static [Algo] {
         match self {
-            Collective::AllReduce => &[Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Direct],
+            Collective::AllReduce => &[Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Direct, Algo::Hier],
             Collective::AllGather | Collective::ReduceScatter => &[Algo::Ring, Algo::Direct],
             Collective::Broadcast | Collective::Reduce => &[Algo::Ring, Algo::Tree],
         }
@@ -223,6 +229,14 @@ impl LinkParams {
         gamma_us_per_byte: 1.0 / 8000.0,
     };
 
+    /// Built-in defaults for TCP between hosts (about 30 µs per message, 1 GB/s), until a tuning file
+    /// says otherwise.
+    pub const TCP_DEFAULT: LinkParams = LinkParams {
+        alpha_us: 30.0,
+        beta_us_per_byte: 1.0 / 1000.0,
+        gamma_us_per_byte: 1.0 / 8000.0,
+    };
+
     fn cost(&self) -> LinkCost {
         LinkCost {
             alpha_us: self.alpha_us,
@@ -259,6 +273,9 @@ pub struct TuningFile {
     pub version: u32,
     /// Shared-memory link parameters.
     pub shm: LinkParams,
+    /// TCP link parameters between hosts, where measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp: Option<LinkParams>,
     /// Measured tables.
     pub tables: Vec<Table>,
 }
@@ -327,6 +344,10 @@ pub struct Tuner {
     cache: std::collections::HashMap<(Collective, usize), Algo>,
     /// The last decision, checked before the map: loops repeat one size.
     last: Option<(Collective, usize, Algo)>,
+    /// Ranks per host, when there is more than one host.
+    hosts: Vec<usize>,
+    /// The link between hosts as measured at start-up (`BRAID_TOPO_PROBE`).
+    measured_tcp: Option<LinkParams>,
 }
 
 impl Tuner {
@@ -347,6 +368,61 @@ impl Tuner {
             forced: [None; 5],
             cache: Default::default(),
             last: None,
+            hosts: Vec::new(),
+            measured_tcp: None,
+        }
+    }
+
+    /// Uses `link` for the link between hosts: measured in this run, it outranks a tuning file's and the
+    /// built-in defaults.
+    pub fn set_tcp_link(&mut self, link: LinkParams) {
+        self.measured_tcp = Some(link);
+        self.cache.clear();
+        self.last = None;
+    }
+
+    /// Tells the tuner how many ranks each host has; with more than one host, all-reduce is chosen by
+    /// the two-class model (shared memory inside hosts, TCP between them).
+    pub fn set_hosts(&mut self, ranks_per_host: Vec<usize>) {
+        self.hosts = if ranks_per_host.len() > 1 {
+            ranks_per_host
+        } else {
+            Vec::new()
+        };
+        self.cache.clear();
+        self.last = None;
+    }
+
+    /// The link between hosts the model uses: measured at start-up, else from the tuning file, else
+    /// the built-in default.
+    pub fn tcp_link(&self) -> LinkParams {
+        self.measured_tcp
+            .or_else(|| self.file.as_ref().and_then(|f| f.tcp))
+            .unwrap_or(LinkParams::TCP_DEFAULT)
+    }
+
+    /// The modelled time of all-reduce `algo` over several hosts.
+    fn multi_host_cost(&self, algo: Algo, bytes: usize) -> f64 {
+        let (i, x) = (self.link(), self.tcp_link());
+        let links = HostLinks {
+            intra_alpha_us: i.alpha_us,
+            intra_beta_us_per_byte: i.beta_us_per_byte,
+            inter_alpha_us: x.alpha_us,
+            inter_beta_us_per_byte: x.beta_us_per_byte,
+            gamma_us_per_byte: i.gamma_us_per_byte,
+        };
+        match algo {
+            Algo::Ring => flat_ring_cost(&self.hosts, bytes, 1.0, self.chunk_bytes, &links),
+            Algo::Hier => hier_cost(&self.hosts, bytes, 1.0, self.chunk_bytes, &links),
+            // The others are not host-aware: model them as if every link were the slow one.
+            other => all_reduce_cost(
+                other.name(),
+                self.world,
+                bytes,
+                1.0,
+                self.chunk_bytes,
+                &x.cost(),
+            ),
         }
     }
 
@@ -401,8 +477,12 @@ impl Tuner {
                     .iter()
                     .copied()
                     .map(|a| {
-                        (
-                            a,
+                        let t = if !self.hosts.is_empty() {
+                            self.multi_host_cost(a, bytes)
+                        } else if a == Algo::Hier {
+                            // One host: hier is the ring; let the ring stand for it.
+                            f64::INFINITY
+                        } else {
                             all_reduce_cost(
                                 a.name(),
                                 self.world,
@@ -410,8 +490,9 @@ impl Tuner {
                                 1.0,
                                 self.chunk_bytes,
                                 &link,
-                            ),
-                        )
+                            )
+                        };
+                        (a, t)
                     })
                     .min_by(|x, y| x.1.total_cmp(&y.1))
                     .map(|(a, _)| a)
@@ -466,6 +547,55 @@ mod tests {
     use super::*;
 
     #[test]
+    fn hier_is_chosen_across_hosts_for_large_messages_only() {
+        let mut t = Tuner::new(4, AlgoPolicy::default(), None, 128 << 10, 16 << 10);
+        for bytes in [8, 1 << 20, 64 << 20] {
+            assert_ne!(
+                t.pick(Collective::AllReduce, bytes),
+                Algo::Hier,
+                "one host, {bytes} B"
+            );
+        }
+        t.set_hosts(vec![2, 2]);
+        assert_eq!(t.pick(Collective::AllReduce, 64 << 20), Algo::Hier);
+        assert_ne!(t.pick(Collective::AllReduce, 8), Algo::Hier);
+        let (a, why) = t.pick_with_reason(Collective::AllReduce, 64 << 20);
+        assert_eq!((a, why), (Algo::Hier, "model"));
+    }
+
+    #[test]
+    fn the_link_between_hosts_is_measured_then_filed_then_default() {
+        let filed = LinkParams {
+            alpha_us: 7.0,
+            ..LinkParams::TCP_DEFAULT
+        };
+        let file = TuningFile {
+            version: 1,
+            shm: LinkParams::SHM_DEFAULT,
+            tcp: Some(filed),
+            tables: vec![],
+        };
+        let mut t = Tuner::new(4, AlgoPolicy::default(), None, 128 << 10, 16 << 10);
+        assert_eq!(t.tcp_link(), LinkParams::TCP_DEFAULT);
+        let mut t2 = Tuner::new(4, AlgoPolicy::default(), Some(file), 128 << 10, 16 << 10);
+        assert_eq!(t2.tcp_link(), filed);
+        let measured = LinkParams {
+            alpha_us: 11.0,
+            ..LinkParams::TCP_DEFAULT
+        };
+        t.set_tcp_link(measured);
+        t2.set_tcp_link(measured);
+        assert_eq!((t.tcp_link(), t2.tcp_link()), (measured, measured));
+        // A slow, high-latency network moves the crossover: small all-reduces stay off hier.
+        t.set_hosts(vec![2, 2]);
+        t.set_tcp_link(LinkParams {
+            alpha_us: 5000.0,
+            ..LinkParams::TCP_DEFAULT
+        });
+        assert_ne!(t.pick(Collective::AllReduce, 4096), Algo::Hier);
+    }
+
+    #[test]
     fn policy_parses_includes_excludes_and_scopes() {
         let p = AlgoPolicy::parse("allreduce:tree;allgather:ring").unwrap();
         assert_eq!(p.allowed(Collective::AllReduce), &[Algo::Tree]);
@@ -474,7 +604,7 @@ mod tests {
         let p = AlgoPolicy::parse("^direct").unwrap();
         assert_eq!(
             p.allowed(Collective::AllReduce),
-            &[Algo::Ring, Algo::Tree, Algo::Rhd]
+            &[Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Hier]
         );
         assert_eq!(p.allowed(Collective::AllGather), &[Algo::Ring]);
         let p = AlgoPolicy::parse("ring").unwrap();
@@ -493,7 +623,7 @@ mod tests {
             "allreduce:",
             "allgather:tree",
             "everything:ring",
-            "allreduce:^ring,tree,rhd,direct",
+            "allreduce:^ring,tree,rhd,direct,hier",
         ] {
             let e = AlgoPolicy::parse(bad).unwrap_err();
             assert!(e.is_invalid_argument(), "{bad}: {e}");
@@ -505,6 +635,7 @@ mod tests {
         let file = TuningFile {
             version: 1,
             shm: LinkParams::SHM_DEFAULT,
+            tcp: None,
             tables: vec![Table {
                 collective: "allreduce".into(),
                 world: 4,

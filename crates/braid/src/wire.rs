@@ -41,8 +41,10 @@ pub struct PeerInfo {
     pub pid: u32,
     /// Host identity (hostname and boot id); equal strings mean the same kernel.
     pub host: String,
-    /// Path of the rank's shared-memory segment.
+    /// Path of the rank's shared-memory segment (empty without one).
     pub shm_path: String,
+    /// Address where the rank accepts TCP connections from peers (empty without one).
+    pub tcp_addr: String,
 }
 
 /// A bootstrap message.
@@ -114,6 +116,7 @@ impl<'a> Reader<'a> {
             pid: self.u32("pid")?,
             host: self.string("host")?,
             shm_path: self.string("shm path")?,
+            tcp_addr: self.string("tcp address")?,
         })
     }
     fn end(&self) -> Result<(), DecodeError> {
@@ -134,6 +137,7 @@ fn put_info(out: &mut Vec<u8>, i: &PeerInfo) {
     out.extend(i.pid.to_le_bytes());
     put_str(out, &i.host);
     put_str(out, &i.shm_path);
+    put_str(out, &i.tcp_addr);
 }
 
 impl Msg {
@@ -255,7 +259,8 @@ pub fn read_frame(r: &mut impl Read) -> std::io::Result<Result<Msg, DecodeError>
 /// What a rank is about to run, compared across ranks when `BRAID_DEBUG_CHECKS` is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fingerprint {
-    /// Collective code (0 all_reduce, 1 reduce_scatter, 2 all_gather, 3 broadcast, 4 reduce, 5 barrier).
+    /// Collective code (0 all_reduce, 1 reduce_scatter, 2 all_gather, 3 broadcast, 4 reduce, 5 barrier,
+    /// 6 all_to_all).
     pub kind: u8,
     /// Element type code.
     pub dtype: u8,
@@ -269,13 +274,14 @@ pub struct Fingerprint {
     pub count: u64,
 }
 
-const KIND_NAMES: [&str; 6] = [
+const KIND_NAMES: [&str; 7] = [
     "all_reduce",
     "reduce_scatter",
     "all_gather",
     "broadcast",
     "reduce",
     "barrier",
+    "all_to_all",
 ];
 const DTYPE_NAMES: [&str; 10] = [
     "int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double", "bfloat16",
@@ -361,11 +367,14 @@ mod tests {
     use proptest::prelude::*;
 
     fn info() -> impl Strategy<Value = PeerInfo> {
-        (any::<u32>(), ".{0,40}", ".{0,80}").prop_map(|(pid, host, shm_path)| PeerInfo {
-            pid,
-            host,
-            shm_path,
-        })
+        (any::<u32>(), ".{0,40}", ".{0,80}", ".{0,50}").prop_map(
+            |(pid, host, shm_path, tcp_addr)| PeerInfo {
+                pid,
+                host,
+                shm_path,
+                tcp_addr,
+            },
+        )
     }
 
     fn msg() -> impl Strategy<Value = Msg> {
@@ -420,7 +429,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn fingerprints_round_trip_and_garbage_is_refused(kind in 0u8..6, dtype in 0u8..10, redop in 0u8..5,
+        fn fingerprints_round_trip_and_garbage_is_refused(kind in 0u8..7, dtype in 0u8..10, redop in 0u8..5,
             root in any::<u32>(), seq in any::<u64>(), count in any::<u64>(), junk in prop::collection::vec(any::<u8>(), 0..40)) {
             let f = Fingerprint { kind, dtype, redop, root, seq, count };
             prop_assert_eq!(Fingerprint::decode(&f.encode()), Ok(f));
@@ -451,6 +460,7 @@ mod tests {
                 pid: 1,
                 host: "h".into(),
                 shm_path: "p".into(),
+                tcp_addr: String::new(),
             },
             slots: 2,
             slot_bytes: 64,

@@ -2,6 +2,9 @@
 //! /dev/shm.
 #![allow(dead_code)]
 
+pub mod netns;
+pub mod scenarios;
+
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Command, Output};
