@@ -27,6 +27,7 @@ __all__ = [
     "Communicator",
     "UniqueId",
     "Work",
+    "Compressor",
     "BraidError",
     "InvalidArgumentError",
     "BraidTimeoutError",
@@ -216,6 +217,36 @@ for _name, _args in _SIGNATURES.items():
     _f = getattr(_lib, _name)
     _f.argtypes = _args
     _f.restype = _i
+
+
+class _CompressStatsC(ctypes.Structure):
+    _fields_ = [
+        ("path", ctypes.c_int),
+        ("warnings", ctypes.c_uint32),
+        ("len", ctypes.c_uint64),
+        ("step", ctypes.c_uint64),
+        ("grad_norm", ctypes.c_double),
+        ("clip_scale", ctypes.c_double),
+        ("residual_norm", ctypes.c_double),
+        ("compression_error", ctypes.c_double),
+        ("density", ctypes.c_double),
+        ("wire_bytes", ctypes.c_uint64),
+        ("dense_bytes", ctypes.c_uint64),
+        ("sent_bytes", ctypes.c_uint64),
+        ("dense_sent_bytes", ctypes.c_uint64),
+    ]
+
+
+_PATHS = ["dense", "sum_closed", "power_iteration", "sparse_all_gather", "sparse_dense_switch", "two_phase"]
+for _name, _args in {
+    "braid_compressor_create": [_pp, ctypes.c_char_p, _i, _sz],
+    "braid_compressor_destroy": [_p],
+    "braid_compressor_reset": [_p],
+    "braid_all_reduce_compressed": [_p, _sz, _i, _p, _p, ctypes.POINTER(_CompressStatsC)],
+}.items():
+    _f = getattr(_lib, _name)
+    _f.argtypes = _args
+    _f.restype = _i
 _lib.braid_get_error_string.argtypes = [_i]
 _lib.braid_get_error_string.restype = ctypes.c_char_p
 _lib.braid_get_last_error_message.argtypes = []
@@ -348,6 +379,49 @@ class Work:
                 # Complete before freeing, so the result array is written while it is still referenced.
                 _lib.braid_work_wait(self._h)
                 self.free()
+        except Exception:
+            pass
+
+
+class Compressor:
+    """The compression state of one float32 tensor of ``length`` elements: codec (``"topk:0.1"``,
+    ``"int8"``, ``"sign"``, ``"fp16"``, ``"powersgd:4"``, ``"none"``, ...; None: ``BRAID_COMPRESS`` or
+    top-k at 10%), error feedback (None: ``BRAID_COMPRESS_EF`` or on) and step counter. Make one per tensor,
+    the same on every rank, and pass it to :meth:`Communicator.all_reduce_compressed` every step."""
+
+    def __init__(self, length, codec=None, error_feedback=None):
+        ef = -1 if error_feedback is None else (1 if error_feedback else 0)
+        h = ctypes.c_void_p()
+        spec = None if codec is None else str(codec).encode()
+        _check(_lib.braid_compressor_create(ctypes.byref(h), spec, ef, int(length)))
+        self._h = h
+        self.length = int(length)
+
+    @property
+    def handle(self):
+        if not self._h:
+            raise InvalidArgumentError("braid: the compressor is closed", 1)
+        return self._h
+
+    def reset(self):
+        """Clears the error buffers (as after loading a checkpoint); every rank resets at the same step."""
+        _check(_lib.braid_compressor_reset(self.handle))
+
+    def close(self):
+        if self._h:
+            h, self._h = self._h, None
+            _check(_lib.braid_compressor_destroy(h))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
         except Exception:
             pass
 
@@ -520,6 +594,20 @@ class Communicator:
 
     def barrier(self):
         _check(_lib.braid_barrier(self.handle, None))
+
+    def all_reduce_compressed(self, grad, compressor, op="avg"):
+        """All-reduces the float32 gradient ``grad`` in place, compressed as ``compressor`` says; returns
+        the step's statistics as a dict (``path``, ``compression_error``, ``density``, ``grad_norm``,
+        ``wire_bytes``, ``sent_bytes``, ...)."""
+        _array(grad, "grad", writeable=True)
+        if grad.dtype != np.float32:
+            raise TypeError(f"braid: all_reduce_compressed takes float32, not {grad.dtype}")
+        st = _CompressStatsC()
+        _check(_lib.braid_all_reduce_compressed(_ptr(grad), grad.size, _op_code(op), compressor.handle,
+                                                self.handle, ctypes.byref(st)))
+        out = {name: getattr(st, name) for name, _ in _CompressStatsC._fields_}
+        out["path"] = _PATHS[st.path] if 0 <= st.path < len(_PATHS) else st.path
+        return out
 
     # -- asynchronous ------------------------------------------------------------------------------
 

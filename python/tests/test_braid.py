@@ -136,6 +136,32 @@ class Collectives(unittest.TestCase):
         self.comm.barrier_async().wait()
         self.comm.barrier()
 
+    def test_compressed(self):
+        n = 2048
+        i = np.arange(n)
+        for codec, exact in (("none", True), ("fp16", True), ("topk:0.1", False), ("int8", False),
+                             ("powersgd:2", False)):
+            with braid.Compressor(n, codec, error_feedback=True) as c:
+                for step in range(2):
+                    g = ((i * 3 + (self.rank + step) * 7) % 17 - 8).astype(np.float32)
+                    st = self.comm.all_reduce_compressed(g, c, op="avg")
+                    self.assertEqual((st["step"], st["len"]), (step + 1, n), codec)
+                    self.assertTrue(0 < st["density"] <= 1, codec)
+                    self.assertIsInstance(st["path"], str)
+                    everyone = self.comm.all_gather(g).reshape(self.world, n)
+                    for r in range(self.world):
+                        np.testing.assert_array_equal(everyone[r], g, err_msg=f"{codec}: rank {r} differs")
+                    if exact:
+                        want = np.mean([(i * 3 + (r + step) * 7) % 17 - 8 for r in range(self.world)], axis=0)
+                        np.testing.assert_array_equal(g, want.astype(np.float32), err_msg=codec)
+                c.reset()
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            braid.Compressor(n, "topk:7")
+        self.assertIn("codec_spec", str(e.exception))
+        with braid.Compressor(n, "int8") as c, self.assertRaises(braid.InvalidArgumentError) as e:
+            self.comm.all_reduce_compressed(np.zeros(n - 1, dtype=np.float32), c)
+        self.assertIn("len", str(e.exception))
+
     def test_errors_are_typed_and_leave_the_communicator_usable(self):
         x = np.ones(8, dtype=np.float32)
         with self.assertRaises(braid.InvalidArgumentError) as e:

@@ -5,8 +5,9 @@
  * braid_get_last_error_message() says what went wrong and names the argument. An invalid argument has no
  * effect; any other failure makes the communicator unusable until it is destroyed.
  *
- * Handles (braid_comm, braid_work) are looked up, never dereferenced: a destroyed or forged handle is
- * BRAID_INVALID_ARGUMENT. braid_comm_destroy(NULL) and braid_work_free(NULL) do nothing.
+ * Handles (braid_comm, braid_work, braid_compressor) are looked up, never dereferenced: a destroyed or forged handle is
+ * BRAID_INVALID_ARGUMENT. braid_comm_destroy(NULL), braid_work_free(NULL) and
+ * braid_compressor_destroy(NULL) do nothing.
  *
  * Link with -lbraid (pkg-config --libs braid). */
 
@@ -68,7 +69,7 @@ typedef enum braid_result {
    */
   BRAID_MISMATCH = 5,
   /**
-   * Creating the communicator failed (unreachable root, wrong secret, ranks on different hosts).
+   * Creating the communicator failed (unreachable root, wrong secret, ranks that disagree).
    */
   BRAID_BOOTSTRAP = 6,
   /**
@@ -89,6 +90,11 @@ typedef enum braid_result {
  * A communicator (opaque).
  */
 typedef struct braid_comm braid_comm;
+
+/**
+ * The compression state of one tensor (opaque).
+ */
+typedef struct braid_compressor braid_compressor;
 
 /**
  * A collective in flight (opaque).
@@ -152,6 +158,69 @@ typedef int braid_dtype;
  * A reduction (one of the `BRAID_SUM` ... `BRAID_AVG` codes). Passed as an integer and checked.
  */
 typedef int braid_redop;
+
+/**
+ * Which way a compressed all-reduce went (`braid_compress_stats.path`).
+ */
+typedef int braid_compress_path;
+
+/**
+ * What one `braid_all_reduce_compressed` call did.
+ */
+typedef struct braid_compress_stats {
+  /**
+   * A `BRAID_PATH_*` code.
+   */
+  braid_compress_path path;
+  /**
+   * Warnings the step's density raised (e.g. density below 1% for an adaptive optimizer).
+   */
+  uint32_t warnings;
+  /**
+   * Elements in the tensor.
+   */
+  uint64_t len;
+  /**
+   * The compressor's step counter after this call.
+   */
+  uint64_t step;
+  /**
+   * L2 norm of the local gradient as given, before clipping and error feedback.
+   */
+  double grad_norm;
+  /**
+   * The factor clipping applied (1 when not clipped).
+   */
+  double clip_scale;
+  /**
+   * L2 norm of what was compressed (clipped gradient plus the remembered error).
+   */
+  double residual_norm;
+  /**
+   * ‖residual − decompressed‖ / ‖residual‖: the relative compression error.
+   */
+  double compression_error;
+  /**
+   * Fraction of elements whose decompressed update is non-zero.
+   */
+  double density;
+  /**
+   * Bytes of the local encoding.
+   */
+  uint64_t wire_bytes;
+  /**
+   * Bytes of the same tensor in float (4 · len).
+   */
+  uint64_t dense_bytes;
+  /**
+   * Bytes this rank sent in this call.
+   */
+  uint64_t sent_bytes;
+  /**
+   * Bytes a dense ring all-reduce of the float gradient would have sent from this rank.
+   */
+  uint64_t dense_sent_bytes;
+} braid_compress_stats;
 
 /**
  * `int8_t`.
@@ -227,6 +296,36 @@ typedef int braid_redop;
  * Mean over ranks (integers: the sum divided by the rank count, truncated).
  */
 #define BRAID_AVG 4
+
+/**
+ * A plain all-reduce of the float gradient (codec `none`, or `dense`).
+ */
+#define BRAID_PATH_DENSE 0
+
+/**
+ * The compressed form itself was all-reduced (`fp16`, `bf16`, `randomk`).
+ */
+#define BRAID_PATH_SUM_CLOSED 1
+
+/**
+ * PowerSGD: all-reduce P, orthogonalise, all-reduce Q.
+ */
+#define BRAID_PATH_POWER_ITERATION 2
+
+/**
+ * Top-k pairs all-gathered and summed in rank order.
+ */
+#define BRAID_PATH_SPARSE_ALL_GATHER 3
+
+/**
+ * Top-k whose ranks' non-zeros passed the dense switch: the sparse updates all-reduced densely.
+ */
+#define BRAID_PATH_SPARSE_DENSE_SWITCH 4
+
+/**
+ * Int8 and sign: compressed shards exchanged, reduced and re-compressed per shard, then all-gathered.
+ */
+#define BRAID_PATH_TWO_PHASE 5
 
 #ifdef __cplusplus
 extern "C" {
@@ -426,6 +525,54 @@ enum braid_result braid_reduce(const void *sendbuf,
  * None beyond passing a handle value.
  */
 enum braid_result braid_barrier(struct braid_comm *comm, void *stream);
+
+/**
+ * Makes the compression state for a float tensor of `len` elements. `codec_spec` is the codec as text:
+ * `none`, `fp16`, `bf16`, `int8`, `int8:BLOCK`, `sign`, `topk:DENSITY`, `randomk:DENSITY`,
+ * `powersgd:RANK`, ...; NULL takes `BRAID_COMPRESS` or the default, top-k at 10%. `error_feedback` is 1
+ * (remember what compression dropped and add it to the next gradient), 0, or -1 (`BRAID_COMPRESS_EF`,
+ * default on). Every rank must make the same compressor for the same tensor.
+ *
+ * # Safety
+ * `out` is NULL or valid for writing a pointer; `codec_spec` is NULL or a NUL-terminated string.
+ */
+enum braid_result braid_compressor_create(struct braid_compressor **out,
+                                          const char *codec_spec,
+                                          int error_feedback,
+                                          size_t len);
+
+/**
+ * Releases a compressor. NULL does nothing; a destroyed handle is `BRAID_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * None beyond passing a handle value.
+ */
+enum braid_result braid_compressor_destroy(struct braid_compressor *compressor);
+
+/**
+ * Clears a compressor's error buffers and codec state (as after loading a checkpoint); the step counter
+ * is kept. Every rank must reset at the same step.
+ *
+ * # Safety
+ * None beyond passing a handle value.
+ */
+enum braid_result braid_compressor_reset(struct braid_compressor *compressor);
+
+/**
+ * All-reduces the float gradient `grad` (`count` elements, in place) compressed as `compressor` says,
+ * with its error feedback; the result is bit-identical on every rank. `op` is `BRAID_SUM` or `BRAID_AVG`;
+ * `count` must be the compressor's `len`. `out_stats` (nullable) receives what the call did.
+ *
+ * # Safety
+ * `grad` is readable and writable for `count` floats and not touched by another thread during the call;
+ * `out_stats` is NULL or valid for writing a `braid_compress_stats`.
+ */
+enum braid_result braid_all_reduce_compressed(float *grad,
+                                              size_t count,
+                                              braid_redop op,
+                                              struct braid_compressor *compressor,
+                                              struct braid_comm *comm,
+                                              struct braid_compress_stats *out_stats);
 
 /**
  * Queues an all-reduce of `count` elements: `sendbuf` is copied now, the result is written to `recvbuf`

@@ -21,6 +21,7 @@
 #![allow(non_camel_case_types)]
 
 mod collectives;
+mod compress;
 mod guard;
 mod registry;
 mod work;
@@ -35,6 +36,7 @@ use braid_rt::{Communicator, Config, Error, UniqueId};
 use crate::guard::{guard, guard_value, invalid, last_error_ptr, set_last_error};
 
 pub use collectives::*;
+pub use compress::*;
 pub use work::*;
 
 /// The result of every braid call. `BRAID_SUCCESS` is 0; the other codes are stable.
@@ -53,7 +55,7 @@ pub enum braid_result {
     BRAID_ABORTED = 4,
     /// Ranks called different collectives, counts, dtypes or roots (found with `debug_checks`).
     BRAID_MISMATCH = 5,
-    /// Creating the communicator failed (unreachable root, wrong secret, ranks on different hosts).
+    /// Creating the communicator failed (unreachable root, wrong secret, ranks that disagree).
     BRAID_BOOTSTRAP = 6,
     /// An operating-system call failed.
     BRAID_IO = 7,

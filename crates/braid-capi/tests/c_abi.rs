@@ -96,6 +96,22 @@ fn collectives_on_2_and_4_ranks_under_sanitizers() {
 }
 
 #[test]
+fn compressed_all_reduce_on_2_and_4_ranks_under_sanitizers() {
+    if !gcc_or_say_why() {
+        return;
+    }
+    for n in [2, 4] {
+        let out = run_c("compressed", n);
+        for r in 0..n {
+            assert!(
+                out.contains(&format!("rank {r}: compressed ok")),
+                "rank {r} of {n} did not finish:\n{out}"
+            );
+        }
+    }
+}
+
+#[test]
 fn hostile_input_is_rejected_without_effect_under_sanitizers() {
     if !gcc_or_say_why() {
         return;
