@@ -192,6 +192,7 @@ _SIGNATURES = {
     "braid_get_version": [ctypes.POINTER(_i)],
     "braid_config_init": [ctypes.POINTER(_ConfigC)],
     "braid_get_unique_id": [ctypes.POINTER(_UniqueIdC)],
+    "braid_get_unique_id_at": [ctypes.POINTER(_UniqueIdC), ctypes.c_char_p],
     "braid_comm_init_rank": [_pp, _i, _UniqueIdC, _i, ctypes.POINTER(_ConfigC)],
     "braid_comm_init_from_env": [_pp],
     "braid_comm_destroy": [_p],
@@ -335,9 +336,14 @@ class UniqueId:
         self.text = raw.decode()
 
     @classmethod
-    def new(cls):
+    def new(cls, listen=None):
+        """A fresh id whose root listens in this process: on the loopback interface, or on ``listen``
+        (``"host:port"``, an address the other hosts can reach; port 0 for any)."""
         c = _UniqueIdC()
-        _check(_lib.braid_get_unique_id(ctypes.byref(c)))
+        if listen is None:
+            _check(_lib.braid_get_unique_id(ctypes.byref(c)))
+        else:
+            _check(_lib.braid_get_unique_id_at(ctypes.byref(c), str(listen).encode()))
         return cls(c.internal)
 
     def _c(self):

@@ -204,6 +204,15 @@ class Standalone(unittest.TestCase):
             c.barrier()
         c.close()  # idempotent
 
+    def test_unique_id_at_an_address(self):
+        uid = braid.UniqueId.new(listen="127.0.0.1:0")
+        self.assertTrue(uid.text.startswith("127.0.0.1:"))
+        with braid.Communicator.init(1, 0, uid) as c:
+            self.assertEqual(c.size, 1)
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            braid.UniqueId.new(listen="nowhere:99999")
+        self.assertIn("listen_addr", str(e.exception))
+
     def test_bad_init_arguments(self):
         with self.assertRaises(braid.InvalidArgumentError) as e:
             braid.Communicator.init(2, 5, braid.UniqueId("127.0.0.1:1/" + "0" * 32))

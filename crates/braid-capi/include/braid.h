@@ -341,12 +341,26 @@ enum braid_result braid_config_init(struct braid_config *cfg);
 
 /**
  * Makes a new unique id whose root listens on an ephemeral port of the loopback interface, bound now in
- * this process: rank 0 must be initialised in this process.
+ * this process: rank 0 must be initialised in this process, and every rank must run on this host (see
+ * `braid_get_unique_id_at` for ranks on other hosts).
  *
  * # Safety
  * `out` is NULL or valid for writing a `braid_unique_id`.
  */
 enum braid_result braid_get_unique_id(struct braid_unique_id *out);
+
+/**
+ * Like `braid_get_unique_id`, with the root listening on `listen_addr` (`host:port`, e.g.
+ * `"10.0.0.5:29500"`, or port 0 for any free port), bound now in this process. Give an address the other
+ * hosts can reach; an unspecified one (`0.0.0.0:...`) is advertised as the loopback address. NULL is
+ * `braid_get_unique_id`.
+ *
+ * # Safety
+ * `out` is NULL or valid for writing a `braid_unique_id`; `listen_addr` is NULL or a NUL-terminated
+ * string.
+ */
+enum braid_result braid_get_unique_id_at(struct braid_unique_id *out,
+                                         const char *listen_addr);
 
 /**
  * Joins the communicator named by `id` as `rank` of `nranks`. Every rank calls this with the same `id`

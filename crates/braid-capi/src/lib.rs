@@ -268,8 +268,28 @@ pub unsafe extern "C" fn braid_config_init(cfg: *mut braid_config) -> braid_resu
     })
 }
 
+/// Writes a unique id's text into `out`.
+///
+/// # Safety
+/// `out` is valid for writing a `braid_unique_id` (checked for NULL by the caller).
+unsafe fn write_id(out: *mut braid_unique_id, id: UniqueId) -> Result<(), Error> {
+    let text = id.to_string();
+    if text.len() >= BRAID_UNIQUE_ID_BYTES {
+        return Err(invalid(format!("unique id {text:?} is too long")));
+    }
+    let mut raw = braid_unique_id {
+        internal: [0; BRAID_UNIQUE_ID_BYTES],
+    };
+    for (d, s) in raw.internal.iter_mut().zip(text.bytes()) {
+        *d = s as c_char;
+    }
+    // SAFETY: the caller checked `out` and promises it is writable.
+    unsafe { write_out(out, raw, "out") }
+}
+
 /// Makes a new unique id whose root listens on an ephemeral port of the loopback interface, bound now in
-/// this process: rank 0 must be initialised in this process.
+/// this process: rank 0 must be initialised in this process, and every rank must run on this host (see
+/// `braid_get_unique_id_at` for ranks on other hosts).
 ///
 /// # Safety
 /// `out` is NULL or valid for writing a `braid_unique_id`.
@@ -277,18 +297,42 @@ pub unsafe extern "C" fn braid_config_init(cfg: *mut braid_config) -> braid_resu
 pub unsafe extern "C" fn braid_get_unique_id(out: *mut braid_unique_id) -> braid_result {
     guard("braid_get_unique_id", || {
         need_out(out, "out")?;
-        let text = UniqueId::new()?.to_string();
-        if text.len() >= BRAID_UNIQUE_ID_BYTES {
-            return Err(invalid(format!("unique id {text:?} is too long")));
-        }
-        let mut id = braid_unique_id {
-            internal: [0; BRAID_UNIQUE_ID_BYTES],
-        };
-        for (d, s) in id.internal.iter_mut().zip(text.bytes()) {
-            *d = s as c_char;
-        }
         // SAFETY: checked not NULL; the caller promises it is writable.
-        unsafe { write_out(out, id, "out") }
+        unsafe { write_id(out, UniqueId::new()?) }
+    })
+}
+
+/// Like `braid_get_unique_id`, with the root listening on `listen_addr` (`host:port`, e.g.
+/// `"10.0.0.5:29500"`, or port 0 for any free port), bound now in this process. Give an address the other
+/// hosts can reach; an unspecified one (`0.0.0.0:...`) is advertised as the loopback address. NULL is
+/// `braid_get_unique_id`.
+///
+/// # Safety
+/// `out` is NULL or valid for writing a `braid_unique_id`; `listen_addr` is NULL or a NUL-terminated
+/// string.
+#[no_mangle]
+pub unsafe extern "C" fn braid_get_unique_id_at(
+    out: *mut braid_unique_id,
+    listen_addr: *const c_char,
+) -> braid_result {
+    guard("braid_get_unique_id_at", || {
+        need_out(out, "out")?;
+        let id = if listen_addr.is_null() {
+            UniqueId::new()?
+        } else {
+            // SAFETY: not NULL, and the caller promises a NUL-terminated string.
+            let text = unsafe { CStr::from_ptr(listen_addr) }
+                .to_str()
+                .map_err(|_| invalid("listen_addr is not UTF-8"))?;
+            UniqueId::listen(text).map_err(|e| match e {
+                Error::Io { message, .. } => invalid(format!(
+                    "listen_addr {text:?}: cannot listen there: {message}"
+                )),
+                other => other,
+            })?
+        };
+        // SAFETY: checked not NULL; the caller promises it is writable.
+        unsafe { write_id(out, id) }
     })
 }
 
@@ -574,6 +618,27 @@ mod tests {
         let cfg = unsafe { config_from(&set) }.unwrap();
         assert_eq!(cfg.timeout, Duration::from_millis(1234));
         assert!(cfg.debug_checks);
+    }
+
+    #[test]
+    fn unique_ids_listen_where_asked() {
+        let mut id = braid_unique_id {
+            internal: [0; BRAID_UNIQUE_ID_BYTES],
+        };
+        // SAFETY: valid pointers; the address is a NUL-terminated literal.
+        let rc = unsafe { braid_get_unique_id_at(&mut id, c"127.0.0.1:0".as_ptr()) };
+        assert_eq!(rc, braid_result::BRAID_SUCCESS);
+        let parsed = parse_id(&id).unwrap();
+        assert_eq!(parsed.addr().ip().to_string(), "127.0.0.1");
+        assert_ne!(parsed.addr().port(), 0);
+        let before = id.internal;
+        // SAFETY: as above.
+        let rc = unsafe { braid_get_unique_id_at(&mut id, c"not an address".as_ptr()) };
+        assert_eq!(rc, braid_result::BRAID_INVALID_ARGUMENT);
+        // SAFETY: this thread's last error string.
+        let msg = unsafe { CStr::from_ptr(braid_get_last_error_message()) };
+        assert!(msg.to_str().unwrap().contains("listen_addr"), "{msg:?}");
+        assert_eq!(id.internal, before, "a failed call wrote the id");
     }
 
     #[test]

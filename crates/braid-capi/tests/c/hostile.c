@@ -66,6 +66,7 @@
  * 59  comm_destroy, work_free     NULL                                              success, no effect
  * 60  all_reduce                  count 0, NULL and unaligned buffers               success, no effect
  * 61  get_error_string            12345                                             "unknown result code"
+ * 62  get_unique_id_at            listen_addr "nowhere:99999"                       "listen_addr"
  */
 #include <stdint.h>
 
@@ -205,6 +206,15 @@ static braid_result c61(void) {
   return BRAID_SUCCESS;
 }
 
+static braid_result c62(void) {
+  braid_unique_id id;
+  memset(&id, 0x5a, sizeof id);
+  braid_result rc = braid_get_unique_id_at(&id, "nowhere:99999");
+  for (size_t i = 0; i < sizeof id.internal; i++)
+    EXPECT(id.internal[i] == 0x5a, "get_unique_id_at wrote the id on failure");
+  return rc;
+}
+
 struct hostile_case {
   const char *name;
   braid_result (*call)(void);
@@ -275,6 +285,7 @@ static const struct hostile_case CASES[] = {
     {"destroy and free NULL", c59, BRAID_SUCCESS, ""},
     {"count 0 with NULL and unaligned buffers", c60, BRAID_SUCCESS, ""},
     {"error string of an unknown code", c61, BRAID_SUCCESS, ""},
+    {"get_unique_id_at bad address", c62, INV, "listen_addr"},
 };
 
 static void reset_buffers(void) {
