@@ -1,6 +1,7 @@
 //! The `braid` command: `braid run` starts ranks of any program; `braid perf` benchmarks all-reduce;
 //! `braid compress-eval` measures what gradient compression costs in training quality.
 
+mod compress_bench;
 mod eval;
 mod launch;
 mod perf;
@@ -76,6 +77,30 @@ enum Cmd {
         #[arg(long)]
         plot: Option<String>,
     },
+    /// Compression side by side: each codec's throughput against memcpy, then the dense and the
+    /// compressed all-reduce of one gradient (time, speed-up, bytes sent). Runs N local ranks (--ranks),
+    /// or, started by a launcher, as one rank of that job.
+    CompressBench {
+        /// Local ranks to start (default 2 when not started by a launcher).
+        #[arg(long)]
+        ranks: Option<usize>,
+        /// Gradient size in bytes (suffixes K, M, G).
+        #[arg(short = 's', long, default_value = "64M", value_parser = perf::parse_size)]
+        size: usize,
+        /// Codec settings, comma-separated.
+        #[arg(
+            long,
+            default_value = "topk:0.1,topk:0.01,randomk:0.1,int8,sign,fp16,powersgd:4"
+        )]
+        codecs: String,
+        /// Timed rounds (after one warm-up round).
+        #[arg(short = 'n', long, default_value_t = 5)]
+        rounds: usize,
+    },
+    /// Print the topology. Alone: this host's NUMA nodes, GPUs and NICs. Started by a launcher
+    /// (`braid run -n N -- braid topo`, or across hosts): where every rank is, how each peer is reached,
+    /// and, with BRAID_TOPO_PROBE=1, what probing measured. BRAID_TOPO_DUMP_FILE writes it as a file.
+    Topo,
     /// Measure every all-reduce algorithm at every size and write the fastest per size to a tuning file
     /// (use it with BRAID_TUNE_FILE).
     Tune {
@@ -206,6 +231,32 @@ fn main() {
             }
         }
         Cmd::Run { n, command } => launch::run(n, &command[0], &command[1..], &[]),
+        Cmd::Topo => topo_main(),
+        Cmd::CompressBench {
+            ranks,
+            size,
+            codecs,
+            rounds,
+        } => {
+            let specs: Result<Vec<braid::CodecSpec>, _> =
+                codecs.split(',').map(|c| c.trim().parse()).collect();
+            match specs {
+                Err(e) => {
+                    eprintln!("braid compress-bench: --codecs: {e}");
+                    2
+                }
+                Ok(codecs) => {
+                    let args = compress_bench::BenchArgs {
+                        bytes: size / 4 * 4,
+                        codecs,
+                        rounds: rounds.max(1),
+                    };
+                    as_ranks("compress-bench", ranks, |c| {
+                        compress_bench::run(c, &args).map(|_| 0)
+                    })
+                }
+            }
+        }
         Cmd::Tune {
             ranks,
             output,
@@ -276,54 +327,78 @@ fn main() {
     std::process::exit(code);
 }
 
+fn topo_main() -> i32 {
+    if !JobEnv::present() {
+        let host = braid::braid_topo::detect_local();
+        match braid::braid_topo::Topology::single_host(host, 1, braid::braid_topo::Source::Detected)
+        {
+            Ok(t) => {
+                print!("{}", t.describe());
+                0
+            }
+            Err(e) => {
+                eprintln!("braid topo: {e}");
+                1
+            }
+        }
+    } else {
+        let comm = match Communicator::from_env() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("braid topo: {e}");
+                return 1;
+            }
+        };
+        if comm.rank() == 0 {
+            print!("{}", comm.topology().describe());
+            println!("transports: {}", comm.transports_summary());
+            println!("rank 0 reaches: {}", comm.peer_transports().join(" "));
+        }
+        // Nobody leaves before rank 0 has printed.
+        match comm.barrier() {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("braid topo: {e}");
+                1
+            }
+        }
+    }
+}
+
 fn perf_main(ranks: Option<usize>, args: &perf::PerfArgs) -> i32 {
+    as_ranks("perf", ranks, |comm| {
+        perf::run(comm, args).map(|wrong| if wrong == 0 { 0 } else { 3 })
+    })
+}
+
+/// Runs `body` as one rank of the job this process belongs to, or, without a job (or with `--ranks`),
+/// starts `ranks` copies of this very command (without `--ranks`) under the launcher.
+fn as_ranks(
+    name: &str,
+    ranks: Option<usize>,
+    body: impl FnOnce(&Communicator) -> Result<i32, braid::Error>,
+) -> i32 {
     if ranks.is_none() && JobEnv::present() {
         let comm = match Communicator::from_env() {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("braid perf: {e}");
+                eprintln!("braid {name}: {e}");
                 return 1;
             }
         };
-        return match perf::run(&comm, args) {
-            Ok(0) => 0,
-            Ok(_) => 3,
+        return match body(&comm) {
+            Ok(code) => code,
             Err(e) => {
-                eprintln!("braid perf: rank {}: {e}", comm.rank());
+                eprintln!("braid {name}: rank {}: {e}", comm.rank());
                 1
             }
         };
     }
-    relaunch("perf", ranks.unwrap_or(2))
-}
-
-/// Runs `braid compress-eval` as one rank of a job, or starts the ranks.
-fn eval_main(ranks: Option<usize>, args: &eval::EvalArgs) -> i32 {
-    if ranks.is_none() && JobEnv::present() {
-        let comm = match Communicator::from_env() {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("braid compress-eval: {e}");
-                return 1;
-            }
-        };
-        return match eval::run(&comm, args) {
-            Ok(_) => 0,
-            Err(e) => {
-                eprintln!("braid compress-eval: rank {}: {e}", comm.rank());
-                1
-            }
-        };
-    }
-    relaunch("compress-eval", ranks.unwrap_or(2))
-}
-
-/// Starts `n` ranks of this same command under our launcher, without `--ranks`.
-fn relaunch(what: &str, n: usize) -> i32 {
+    let n = ranks.unwrap_or(2);
     let exe = match std::env::current_exe() {
         Ok(p) => p.into_os_string(),
         Err(e) => {
-            eprintln!("braid {what}: cannot find this executable: {e}");
+            eprintln!("braid {name}: cannot find this executable: {e}");
             return 1;
         }
     };
@@ -338,6 +413,17 @@ fn relaunch(what: &str, n: usize) -> i32 {
         }
     }
     launch::run(n, &exe, &rest, &[])
+}
+
+/// Runs `braid compress-eval` as one rank of a job, or starts the ranks.
+fn eval_main(ranks: Option<usize>, args: &eval::EvalArgs) -> i32 {
+    as_ranks("compress-eval", ranks, |comm| match eval::run(comm, args) {
+        Ok(_) => Ok(0),
+        Err(e) => {
+            eprintln!("braid compress-eval: rank {}: {e}", comm.rank());
+            Ok(1)
+        }
+    })
 }
 
 /// Runs `braid tune` as one rank of a job, or launches it for each rank count.

@@ -66,8 +66,21 @@ fn rank_main(scenario: &str) -> i32 {
                 );
                 return 1;
             }
+            // The probed link between hosts (1 Gbit/s) feeds the tuner: large all-reduces go hierarchical.
+            let (algo, why) = c.algorithm(braid::Collective::AllReduce, 64 << 20);
+            if algo != braid::Algo::Hier {
+                println!(
+                    "rank {} picks {algo} ({why}) for 64 MiB across probed hosts",
+                    c.rank()
+                );
+                return 1;
+            }
             let n = scenario_algorithms(&c);
-            println!("rank {} ok: probed {:?}, {n} checks", c.rank(), c.hosts());
+            println!(
+                "rank {} ok: probed {:?}, 64 MiB picks {algo} ({why}), {n} checks",
+                c.rank(),
+                c.hosts()
+            );
             0
         }
         other => {

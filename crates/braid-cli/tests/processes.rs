@@ -369,6 +369,92 @@ fn test_transports() {
     println!("  shm-only ranks on two hosts are refused with a reason: ok");
 }
 
+/// `braid topo` prints where the ranks are; the file it dumps is a topology file the runtime accepts,
+/// and a broken one is an error that names the variable.
+fn test_topo_command_and_files() {
+    let file = std::env::temp_dir().join(format!("braid-topo-{}.json", std::process::id()));
+    let run_topo = |env: &[(&str, &str)]| {
+        let mut cmd = Command::new(braid());
+        cmd.args(["run", "-n", "3", "--"]).arg(braid()).arg("topo");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.env_remove("BRAID_RANK").output().unwrap()
+    };
+    let o = run_topo(&[("BRAID_TOPO_DUMP_FILE", file.to_str().unwrap())]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("3 ranks") && out.contains("self shm shm"),
+        "{}",
+        show(&o)
+    );
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(
+        text.contains("\"version\": 1") || text.contains("\"version\":1"),
+        "{text}"
+    );
+    // Claim two hosts in a file: the runtime takes the grouping from it.
+    let two = r#"{"version": 1, "hosts": [{"name": "a"}, {"name": "b"}],
+        "ranks": [{"rank": 0, "host": "a"}, {"rank": 1, "host": "b"}, {"rank": 2, "host": "a"}]}"#;
+    std::fs::write(&file, two).unwrap();
+    let o = run_topo(&[("BRAID_TOPO_FILE", file.to_str().unwrap())]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.contains("2 hosts"),
+        "{}",
+        show(&o)
+    );
+    std::fs::write(&file, "{\"version\": 1, \"hosts\": []}").unwrap();
+    let o = run_topo(&[("BRAID_TOPO_FILE", file.to_str().unwrap())]);
+    let all = format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(
+        !o.status.success() && all.contains("BRAID_TOPO_FILE"),
+        "{}",
+        show(&o)
+    );
+    std::fs::remove_file(&file).unwrap();
+    println!("  braid topo, BRAID_TOPO_DUMP_FILE and BRAID_TOPO_FILE: ok");
+}
+
+/// `braid compress-bench` measures codecs and compressed all-reduce side by side; a bad codec is refused.
+fn test_compress_bench() {
+    let o = Command::new(braid())
+        .args([
+            "compress-bench",
+            "--ranks",
+            "2",
+            "-s",
+            "64K",
+            "-n",
+            "1",
+            "--codecs",
+            "topk:0.1,int8",
+        ])
+        .env_remove("BRAID_RANK")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", show(&o));
+    for row in ["memcpy", "dense", "topk:0.1", "int8"] {
+        assert!(out.contains(row), "no {row} in:\n{}", show(&o));
+    }
+    let o = Command::new(braid())
+        .args(["compress-bench", "--codecs", "topk:7"])
+        .env_remove("BRAID_RANK")
+        .output()
+        .unwrap();
+    assert!(
+        o.status.code() == Some(2) && String::from_utf8_lossy(&o.stderr).contains("topk:7"),
+        "{}",
+        show(&o)
+    );
+    println!("  braid compress-bench: ok");
+}
+
 fn test_launcher_stops_everyone_when_one_rank_fails() {
     let start = Instant::now();
     let o = braid_run(3, &["exit-rank", "1", "7"], &[]);
@@ -550,13 +636,15 @@ fn main() {
         return;
     }
     let before = braid_segments();
-    let tests: [(&str, fn()); 9] = [
+    let tests: [(&str, fn()); 11] = [
         ("matrix of ranks × dtypes × ops × counts", test_matrix),
         (
             "every algorithm of every collective, forced",
             test_algorithms,
         ),
         ("tcp, several sockets, and shm+tcp hosts", test_transports),
+        ("braid topo and topology files", test_topo_command_and_files),
+        ("braid compress-bench", test_compress_bench),
         (
             "launcher stops everyone when one rank fails",
             test_launcher_stops_everyone_when_one_rank_fails,

@@ -3,7 +3,8 @@
 //! Direct all-reduce costs one message latency instead of `2(n−1)`, at the price of each rank receiving
 //! `(n−1)·bytes`. On one host, for small messages, latency is all that counts. Every rank reduces all `n`
 //! contributions in rank order, so the results are bit-identical without a gather phase. Direct all-gather
-//! likewise sends each rank's block to everyone in one step.
+//! likewise sends each rank's block to everyone in one step, and direct all-to-all each block to its one
+//! destination.
 
 use crate::{chunk_of, chunks_needed, Action, Buf};
 
@@ -109,6 +110,45 @@ pub fn reduce_scatter(world: usize, rank: usize, recv_count: usize, chunk: usize
             output: out,
             nranks: world,
         });
+    }
+    plan
+}
+
+/// Direct all-to-all: the input and the output hold `world` blocks of `count_per_peer` elements; rank `r`
+/// sends its input block `j` to rank `j`, which writes it into its output block `r`, and copies its own
+/// block locally. `chunk` elements per message. Each chunk position sends one message to every peer before
+/// receiving one from every peer, so a rank is never more than one position ahead of any peer: two slots
+/// per channel suffice.
+pub fn all_to_all(world: usize, rank: usize, count_per_peer: usize, chunk: usize) -> Vec<Action> {
+    assert!(
+        world > 0 && rank < world,
+        "rank {rank} out of range for world {world}"
+    );
+    assert!(chunk > 0, "chunk must hold at least one element");
+    let block = |j: usize| j * count_per_peer..(j + 1) * count_per_peer;
+    let mut plan = Vec::new();
+    for c in 0..chunks_needed(std::slice::from_ref(&(0..count_per_peer)), chunk) {
+        let own = chunk_of(&block(rank), c, chunk);
+        plan.push(Action::Copy {
+            src: own.clone(),
+            dst: own,
+        });
+        for k in 1..world {
+            let to = (rank + k) % world;
+            plan.push(Action::Send {
+                to,
+                buf: Buf::Input,
+                range: chunk_of(&block(to), c, chunk),
+            });
+        }
+        for k in 1..world {
+            let from = (rank + world - k) % world;
+            plan.push(Action::RecvCopy {
+                from,
+                output: chunk_of(&block(from), c, chunk),
+                forward: None,
+            });
+        }
     }
     plan
 }

@@ -96,6 +96,58 @@ proptest! {
     }
 }
 
+/// What rank `rank` must hold after an all-to-all of `count` elements per peer: block `j` is rank `j`'s
+/// input block `rank`.
+fn transposed(ins: &[Vec<u8>], rank: usize, count: usize, es: usize) -> Vec<u8> {
+    let b = count * es;
+    ins.iter()
+        .flat_map(|i| i[rank * b..(rank + 1) * b].to_vec())
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    #[test]
+    fn direct_all_to_all(dtype in dtypes(), world in worlds(), count in 0usize..40,
+        chunk in 1usize..40, depth in 2usize..=4, seed in any::<u64>()) {
+        let es = dtype.size();
+        let ins = exact_inputs(dtype, ReduceOp::Sum, world, world * count, seed);
+        let p = plans(world, |r| direct::all_to_all(world, r, count, chunk));
+        prop_assert!(messages_fit(&p, chunk));
+        let out = sim::run(&p, dtype, ReduceOp::Sum, &ins, world * count, depth).unwrap();
+        for (r, o) in out.outputs.iter().enumerate() {
+            prop_assert_eq!(o, &transposed(&ins, r, count, es));
+        }
+    }
+}
+
+#[test]
+fn all_to_all_every_small_case_at_depth_two_and_its_traffic() {
+    for world in (1..=9).chain([16, 33]) {
+        for count in [0, 1, 2, 3, 7, 8, 9] {
+            for chunk in [1, 3, 8] {
+                let dtype = DType::F32;
+                let ins = arbitrary_f32(world, world * count, (world * 100 + count) as u64);
+                let p = plans(world, |r| direct::all_to_all(world, r, count, chunk));
+                let out = sim::run(&p, dtype, ReduceOp::Sum, &ins, world * count, 2)
+                    .unwrap_or_else(|e| panic!("world {world} count {count} chunk {chunk}: {e}"));
+                let positions = count.div_ceil(chunk).max(1);
+                for r in 0..world {
+                    assert_eq!(
+                        out.outputs[r],
+                        transposed(&ins, r, count, 4),
+                        "{world} {count} {chunk} rank {r}"
+                    );
+                    // Every block but its own leaves the rank, once, in one message per chunk position.
+                    assert_eq!(out.bytes_sent[r], (world - 1) * count * 4);
+                    assert_eq!(out.messages[r], (world - 1) * positions);
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn every_world_and_small_counts() {
     // Exhaustive over the small cases that are easiest to get wrong: empty halves and blocks, counts

@@ -164,6 +164,27 @@ fn choose_topology(
     Ok(topology)
 }
 
+/// The link between hosts as probing measured it (median latency and bandwidth over every pair of ranks
+/// on different hosts), for the tuner's model.
+fn measured_tcp_link(t: &braid_topo::Topology) -> Option<crate::tune::LinkParams> {
+    if t.source != braid_topo::Source::Probed {
+        return None;
+    }
+    let median = |mut v: Vec<f64>| {
+        v.retain(|x| x.is_finite() && *x > 0.0);
+        v.sort_by(f64::total_cmp);
+        (!v.is_empty()).then(|| v[v.len() / 2])
+    };
+    let between = || t.links.iter().filter(|l| !l.class.is_intra_host());
+    let latency = median(between().filter_map(|l| l.latency).collect())?;
+    let bandwidth = median(between().filter_map(|l| l.bandwidth).collect())?;
+    Some(crate::tune::LinkParams {
+        alpha_us: latency * 1e6,
+        beta_us_per_byte: 1e6 / bandwidth,
+        gamma_us_per_byte: crate::tune::LinkParams::SHM_DEFAULT.gamma_us_per_byte,
+    })
+}
+
 /// How this rank reaches each peer: shared memory when both are on one host and both have a segment,
 /// TCP otherwise. Both sides of a pair decide alike from the same table.
 fn routes(rank: usize, table: &[PeerInfo], config: &Config) -> Result<Vec<Route>, Error> {
@@ -423,6 +444,10 @@ impl Communicator {
         let mut executor =
             Executor::new(rank, world, config.clone(), tuner, transport, abort.clone());
         executor.set_hosts(hosts.clone());
+        if let Some(link) = measured_tcp_link(&topology) {
+            debug!(rank, ?link, "link between hosts, as probed");
+            executor.tuner.set_tcp_link(link);
+        }
         let recorder = executor.recorder.clone();
         let inner = Inner {
             rank,
@@ -666,6 +691,39 @@ impl Communicator {
         )
     }
 
+    /// All-to-all: `send` and `recv` each hold `world` blocks of equal size; rank `r`'s send block `j`
+    /// arrives in rank `j`'s receive block `r` (its own block is copied locally). The block size is
+    /// `send.len() / world` bytes, a whole number of `dtype` elements.
+    pub fn all_to_all_bytes(
+        &self,
+        send: &[u8],
+        recv: &mut [u8],
+        dtype: DType,
+    ) -> Result<(), Error> {
+        let world = self.inner.world;
+        let total = self.elems(send.len(), dtype, "send")?;
+        if total % world != 0 {
+            return Err(Error::invalid(format!(
+                "all_to_all: the send buffer's {total} {dtype} elements do not split into {world} equal blocks"
+            )));
+        }
+        if recv.len() != send.len() {
+            return Err(Error::invalid(format!(
+                "all_to_all: receive buffer has {} bytes, send buffer {} (both must hold world × block)",
+                recv.len(),
+                send.len()
+            )));
+        }
+        self.run(
+            Kind::AllToAll,
+            dtype,
+            ReduceOp::Sum,
+            total / world,
+            In::Buf(send),
+            recv,
+        )
+    }
+
     /// Broadcast of `root`'s `send` into every rank's `recv` (`send` is read on the root only).
     pub fn broadcast_bytes(
         &self,
@@ -878,6 +936,30 @@ impl Communicator {
             )
         };
         self.run_blocking(op)
+    }
+
+    /// All-to-all of per-peer blocks: `send` and `recv` both hold `world × block` elements; this rank's
+    /// send block `j` goes to rank `j`, and receive block `p` is what rank `p` sent to this rank.
+    pub fn all_to_all<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<(), Error> {
+        let world = self.inner.world;
+        if send.len() % world != 0 {
+            return Err(Error::invalid(format!(
+                "all_to_all: {} send elements do not split into {world} equal blocks",
+                send.len()
+            )));
+        }
+        if recv.len() != send.len() {
+            return Err(Error::invalid(format!(
+                "all_to_all: receive buffer has {} elements, send buffer {} (both must hold world × block)",
+                recv.len(),
+                send.len()
+            )));
+        }
+        self.all_to_all_bytes(
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(recv),
+            T::DTYPE,
+        )
     }
 
     /// Broadcast from `root`: `send` is read on the root only (pass `&[]` elsewhere).

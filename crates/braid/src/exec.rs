@@ -29,6 +29,7 @@ pub(crate) enum Kind {
     Broadcast { root: usize },
     Reduce { root: usize },
     Barrier,
+    AllToAll,
 }
 
 impl Kind {
@@ -40,7 +41,7 @@ impl Kind {
             Kind::AllGather => Some(Collective::AllGather),
             Kind::Broadcast { .. } => Some(Collective::Broadcast),
             Kind::Reduce { .. } => Some(Collective::Reduce),
-            Kind::Barrier => None,
+            Kind::Barrier | Kind::AllToAll => None,
         }
     }
 
@@ -52,12 +53,13 @@ impl Kind {
             Kind::Broadcast { .. } => "broadcast",
             Kind::Reduce { .. } => "reduce",
             Kind::Barrier => "barrier",
+            Kind::AllToAll => "all_to_all",
         }
     }
 }
 
 /// One collective call, validated: `count` is in the collective's NCCL convention (all-reduce: elements
-/// per buffer; reduce-scatter: output elements; all-gather: input elements).
+/// per buffer; reduce-scatter: output elements; all-gather: input elements; all-to-all: elements per peer).
 pub(crate) struct Op {
     pub kind: Kind,
     pub dtype: DType,
@@ -261,6 +263,7 @@ impl Executor {
             (Kind::Reduce { root }, Algo::Tree) => tree::reduce(n, r, root, c, chunk),
             (Kind::Reduce { root }, _) => ring::reduce(n, r, root, c, chunk),
             (Kind::Barrier, _) => direct::barrier(n, r),
+            (Kind::AllToAll, _) => direct::all_to_all(n, r, c, chunk),
         }
     }
 
@@ -346,6 +349,7 @@ fn fingerprint(op: &Op, seq: u64) -> Fingerprint {
         Kind::Broadcast { root } => (3, root),
         Kind::Reduce { root } => (4, root),
         Kind::Barrier => (5, 0),
+        Kind::AllToAll => (6, 0),
     };
     Fingerprint {
         kind,

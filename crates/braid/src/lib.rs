@@ -19,6 +19,7 @@
 
 mod bootstrap;
 mod comm;
+pub mod compressed;
 mod exec;
 mod id;
 mod job;
@@ -27,9 +28,13 @@ pub mod recorder;
 pub mod tune;
 pub mod wire;
 
+pub use braid_compress;
 pub use braid_core::{Config, DType, DebugLevel, Element, Error, ReduceOp, Result};
 pub use braid_topo;
 pub use comm::{Communicator, Work};
+pub use compressed::{
+    CodecSpec, CompressedPath, CompressedReport, CompressionConfig, GradientCompressor,
+};
 pub use id::UniqueId;
 pub use job::JobEnv;
 pub use recorder::FlightRecord;

@@ -178,10 +178,10 @@ mod tests {
         for n in 1..=17 {
             let mut met = vec![vec![0; n]; n];
             for round in 0..rounds(n) {
-                for r in 0..n {
+                for (r, row) in met.iter_mut().enumerate() {
                     if let Some(p) = partner(n, r, round) {
                         assert_eq!(partner(n, p, round), Some(r), "n {n} round {round}");
-                        met[r][p] += 1;
+                        row[p] += 1;
                     }
                 }
             }

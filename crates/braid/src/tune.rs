@@ -346,6 +346,8 @@ pub struct Tuner {
     last: Option<(Collective, usize, Algo)>,
     /// Ranks per host, when there is more than one host.
     hosts: Vec<usize>,
+    /// The link between hosts as measured at start-up (`BRAID_TOPO_PROBE`).
+    measured_tcp: Option<LinkParams>,
 }
 
 impl Tuner {
@@ -367,7 +369,16 @@ impl Tuner {
             cache: Default::default(),
             last: None,
             hosts: Vec::new(),
+            measured_tcp: None,
         }
+    }
+
+    /// Uses `link` for the link between hosts: measured in this run, it outranks a tuning file's and the
+    /// built-in defaults.
+    pub fn set_tcp_link(&mut self, link: LinkParams) {
+        self.measured_tcp = Some(link);
+        self.cache.clear();
+        self.last = None;
     }
 
     /// Tells the tuner how many ranks each host has; with more than one host, all-reduce is chosen by
@@ -382,10 +393,11 @@ impl Tuner {
         self.last = None;
     }
 
-    fn tcp_link(&self) -> LinkParams {
-        self.file
-            .as_ref()
-            .and_then(|f| f.tcp)
+    /// The link between hosts the model uses: measured at start-up, else from the tuning file, else
+    /// the built-in default.
+    pub fn tcp_link(&self) -> LinkParams {
+        self.measured_tcp
+            .or_else(|| self.file.as_ref().and_then(|f| f.tcp))
             .unwrap_or(LinkParams::TCP_DEFAULT)
     }
 
@@ -547,9 +559,40 @@ mod tests {
         t.set_hosts(vec![2, 2]);
         assert_eq!(t.pick(Collective::AllReduce, 64 << 20), Algo::Hier);
         assert_ne!(t.pick(Collective::AllReduce, 8), Algo::Hier);
-        // A measured TCP class as fast as shared memory takes away hier's edge at small sizes too.
         let (a, why) = t.pick_with_reason(Collective::AllReduce, 64 << 20);
         assert_eq!((a, why), (Algo::Hier, "model"));
+    }
+
+    #[test]
+    fn the_link_between_hosts_is_measured_then_filed_then_default() {
+        let filed = LinkParams {
+            alpha_us: 7.0,
+            ..LinkParams::TCP_DEFAULT
+        };
+        let file = TuningFile {
+            version: 1,
+            shm: LinkParams::SHM_DEFAULT,
+            tcp: Some(filed),
+            tables: vec![],
+        };
+        let mut t = Tuner::new(4, AlgoPolicy::default(), None, 128 << 10, 16 << 10);
+        assert_eq!(t.tcp_link(), LinkParams::TCP_DEFAULT);
+        let mut t2 = Tuner::new(4, AlgoPolicy::default(), Some(file), 128 << 10, 16 << 10);
+        assert_eq!(t2.tcp_link(), filed);
+        let measured = LinkParams {
+            alpha_us: 11.0,
+            ..LinkParams::TCP_DEFAULT
+        };
+        t.set_tcp_link(measured);
+        t2.set_tcp_link(measured);
+        assert_eq!((t.tcp_link(), t2.tcp_link()), (measured, measured));
+        // A slow, high-latency network moves the crossover: small all-reduces stay off hier.
+        t.set_hosts(vec![2, 2]);
+        t.set_tcp_link(LinkParams {
+            alpha_us: 5000.0,
+            ..LinkParams::TCP_DEFAULT
+        });
+        assert_ne!(t.pick(Collective::AllReduce, 4096), Algo::Hier);
     }
 
     #[test]

@@ -259,7 +259,8 @@ pub fn read_frame(r: &mut impl Read) -> std::io::Result<Result<Msg, DecodeError>
 /// What a rank is about to run, compared across ranks when `BRAID_DEBUG_CHECKS` is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fingerprint {
-    /// Collective code (0 all_reduce, 1 reduce_scatter, 2 all_gather, 3 broadcast, 4 reduce, 5 barrier).
+    /// Collective code (0 all_reduce, 1 reduce_scatter, 2 all_gather, 3 broadcast, 4 reduce, 5 barrier,
+    /// 6 all_to_all).
     pub kind: u8,
     /// Element type code.
     pub dtype: u8,
@@ -273,13 +274,14 @@ pub struct Fingerprint {
     pub count: u64,
 }
 
-const KIND_NAMES: [&str; 6] = [
+const KIND_NAMES: [&str; 7] = [
     "all_reduce",
     "reduce_scatter",
     "all_gather",
     "broadcast",
     "reduce",
     "barrier",
+    "all_to_all",
 ];
 const DTYPE_NAMES: [&str; 10] = [
     "int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double", "bfloat16",
@@ -427,7 +429,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn fingerprints_round_trip_and_garbage_is_refused(kind in 0u8..6, dtype in 0u8..10, redop in 0u8..5,
+        fn fingerprints_round_trip_and_garbage_is_refused(kind in 0u8..7, dtype in 0u8..10, redop in 0u8..5,
             root in any::<u32>(), seq in any::<u64>(), count in any::<u64>(), junk in prop::collection::vec(any::<u8>(), 0..40)) {
             let f = Fingerprint { kind, dtype, redop, root, seq, count };
             prop_assert_eq!(Fingerprint::decode(&f.encode()), Ok(f));

@@ -716,7 +716,11 @@ fn send_all(
                 }
             }
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(ctx.peer_failed(to, format!("sending failed: {e}"))),
+            Err(e) => {
+                return Err(
+                    ctx.peer_failed(to, format!("is unreachable: sending to it failed ({e})"))
+                )
+            }
         }
     }
     Ok(())

@@ -1,0 +1,305 @@
+/* Every collective of braid.h against exact expected values: all dtypes and ops for all-reduce, out of
+ * place and in place, unaligned buffers, count 0 with NULL buffers, every root for broadcast and reduce,
+ * and the asynchronous variants. Run as every rank of `braid run -n N`. */
+#include <stdint.h>
+
+#include "check.h"
+
+static int g_world;
+static long g_checks;
+
+/* Rank r's input element i for op: small values so every result is exact in every dtype. */
+static double input(int r, size_t i, braid_dtype t, braid_redop op) {
+  if (op == BRAID_PROD) return 1 + (double)((r + i) % 2);
+  double v = (double)((r * 3 + i) % 11);
+  if (is_signed(t) && op != BRAID_AVG) v -= 5;
+  return v;
+}
+
+static double expected(size_t i, braid_dtype t, braid_redop op) {
+  double acc = input(0, i, t, op);
+  for (int r = 1; r < g_world; r++) {
+    double x = input(r, i, t, op);
+    switch (op) {
+      case BRAID_SUM: case BRAID_AVG: acc += x; break;
+      case BRAID_PROD: acc *= x; break;
+      case BRAID_MAX: acc = x > acc ? x : acc; break;
+      case BRAID_MIN: acc = x < acc ? x : acc; break;
+    }
+  }
+  if (op == BRAID_AVG) {
+    acc /= g_world;
+    if (t != BRAID_FLOAT16 && t != BRAID_FLOAT32 && t != BRAID_FLOAT64 && t != BRAID_BFLOAT16)
+      acc = trunc(acc);
+  }
+  return acc;
+}
+
+static void fill(braid_dtype t, braid_redop op, void *buf, size_t count, int rank) {
+  for (size_t i = 0; i < count; i++) put(t, buf, i, input(rank, i, t, op));
+}
+
+static void expect_reduced(const char *what, braid_dtype t, braid_redop op, const void *buf,
+                           size_t count) {
+  for (size_t i = 0; i < count; i++) {
+    double got = get(t, buf, i), want = expected(i, t, op);
+    EXPECT(got == want, "%s %s %s: element %zu is %g, expected %g", what, dtype_name(t),
+           op_name(op), i, got, want);
+  }
+  g_checks++;
+}
+
+static void expect_input(const char *what, braid_dtype t, braid_redop op, const void *buf,
+                         size_t count, int rank) {
+  for (size_t i = 0; i < count; i++) {
+    double got = get(t, buf, i), want = input(rank, i, t, op);
+    EXPECT(got == want, "%s %s: element %zu is %g, expected %g", what, dtype_name(t), i, got,
+           want);
+  }
+  g_checks++;
+}
+
+static void all_reduce(braid_comm *comm, int rank) {
+  const size_t counts[] = {0, 1, 1000};
+  for (braid_dtype t = BRAID_INT8; t <= BRAID_BFLOAT16; t++) {
+    for (braid_redop op = BRAID_SUM; op <= BRAID_AVG; op++) {
+      for (size_t k = 0; k < sizeof counts / sizeof counts[0]; k++) {
+        size_t n = counts[k], es = dtype_size(t);
+        /* Out of place, both buffers one byte off alignment. */
+        char *sraw = malloc(n * es + 1), *rraw = malloc(n * es + 1);
+        void *send = sraw + 1, *recv = rraw + 1;
+        fill(t, op, send, n, rank);
+        memset(recv, 0x5a, n * es);
+        CHECK(braid_all_reduce(n ? send : NULL, n ? recv : NULL, n, t, op, comm, NULL));
+        expect_reduced("all_reduce", t, op, recv, n);
+        expect_input("all_reduce leaves sendbuf alone", t, op, send, n, rank);
+        /* In place, aligned. */
+        void *buf = malloc(n * es + 1);
+        fill(t, op, buf, n, rank);
+        CHECK(braid_all_reduce(buf, buf, n, t, op, comm, NULL));
+        expect_reduced("all_reduce in place", t, op, buf, n);
+        free(sraw);
+        free(rraw);
+        free(buf);
+      }
+    }
+  }
+  /* A size that spans many transport slots. */
+  size_t n = 300007;
+  float *big = malloc(n * sizeof(float));
+  fill(BRAID_FLOAT32, BRAID_SUM, big, n, rank);
+  CHECK(braid_all_reduce(big, big, n, BRAID_FLOAT32, BRAID_SUM, comm, NULL));
+  expect_reduced("large all_reduce", BRAID_FLOAT32, BRAID_SUM, big, n);
+  free(big);
+}
+
+static void reduce_scatter(braid_comm *comm, int rank) {
+  const braid_dtype types[] = {BRAID_FLOAT32, BRAID_INT32, BRAID_FLOAT64, BRAID_BFLOAT16};
+  for (size_t k = 0; k < 4; k++) {
+    braid_dtype t = types[k];
+    for (braid_redop op = BRAID_SUM; op <= BRAID_AVG; op++) {
+      size_t n = 37, es = dtype_size(t), total = n * (size_t)g_world;
+      char *send = malloc(total * es), *recv = malloc(n * es);
+      fill(t, op, send, total, rank);
+      CHECK(braid_reduce_scatter(send, recv, n, t, op, comm, NULL));
+      /* Rank r's block starts at element r·n of everyone's input. */
+      for (size_t i = 0; i < n; i++) {
+        double got = get(t, recv, i), want = expected(rank * n + i, t, op);
+        EXPECT(got == want, "reduce_scatter %s %s: element %zu is %g, expected %g",
+               dtype_name(t), op_name(op), i, got, want);
+      }
+      expect_input("reduce_scatter leaves sendbuf alone", t, op, send, total, rank);
+      /* In place: recvbuf = sendbuf + rank·recvcount. Unaligned base for bfloat16. */
+      char *raw = malloc(total * es + 1);
+      char *buf = t == BRAID_BFLOAT16 ? raw + 1 : raw;
+      fill(t, op, buf, total, rank);
+      CHECK(braid_reduce_scatter(buf, buf + (size_t)rank * n * es, n, t, op, comm, NULL));
+      for (size_t i = 0; i < n; i++) {
+        double got = get(t, buf + (size_t)rank * n * es, i), want = expected(rank * n + i, t, op);
+        EXPECT(got == want, "reduce_scatter in place %s %s: element %zu is %g, expected %g",
+               dtype_name(t), op_name(op), i, got, want);
+      }
+      g_checks += 2;
+      free(send);
+      free(recv);
+      free(raw);
+    }
+  }
+}
+
+static void all_gather(braid_comm *comm, int rank) {
+  const braid_dtype types[] = {BRAID_FLOAT32, BRAID_UINT8, BRAID_INT64, BRAID_FLOAT16};
+  for (size_t k = 0; k < 4; k++) {
+    braid_dtype t = types[k];
+    size_t n = 53, es = dtype_size(t), total = n * (size_t)g_world;
+    char *send = malloc(n * es), *recv = malloc(total * es);
+    fill(t, BRAID_SUM, send, n, rank);
+    CHECK(braid_all_gather(send, recv, n, t, comm, NULL));
+    for (int r = 0; r < g_world; r++)
+      expect_input("all_gather block", t, BRAID_SUM, recv + (size_t)r * n * es, n, r);
+    /* In place: sendbuf = recvbuf + rank·sendcount; unaligned for float16. */
+    char *raw = malloc(total * es + 1);
+    char *buf = t == BRAID_FLOAT16 ? raw + 1 : raw;
+    memset(buf, 0, total * es);
+    fill(t, BRAID_SUM, buf + (size_t)rank * n * es, n, rank);
+    CHECK(braid_all_gather(buf + (size_t)rank * n * es, buf, n, t, comm, NULL));
+    for (int r = 0; r < g_world; r++)
+      expect_input("all_gather in place block", t, BRAID_SUM, buf + (size_t)r * n * es, n, r);
+    free(send);
+    free(recv);
+    free(raw);
+  }
+}
+
+static void broadcast_and_reduce(braid_comm *comm, int rank) {
+  size_t n = 777;
+  for (int root = 0; root < g_world; root++) {
+    /* Broadcast, out of place: non-roots pass NULL as sendbuf. */
+    double *send = malloc(n * sizeof(double)), *recv = malloc(n * sizeof(double));
+    fill(BRAID_FLOAT64, BRAID_SUM, send, n, root);
+    memset(recv, 0, n * sizeof(double));
+    CHECK(braid_broadcast(rank == root ? send : NULL, recv, n, BRAID_FLOAT64, root, comm, NULL));
+    expect_input("broadcast", BRAID_FLOAT64, BRAID_SUM, recv, n, root);
+    /* In place, unaligned int32. */
+    char *raw = malloc(n * 4 + 1), *buf = raw + 1;
+    if (rank == root) fill(BRAID_INT32, BRAID_SUM, buf, n, root);
+    else memset(buf, 0x7f, n * 4);
+    CHECK(braid_broadcast(buf, buf, n, BRAID_INT32, root, comm, NULL));
+    expect_input("broadcast in place", BRAID_INT32, BRAID_SUM, buf, n, root);
+    /* Reduce, out of place: non-roots pass NULL as recvbuf. */
+    for (braid_redop op = BRAID_SUM; op <= BRAID_AVG; op++) {
+      int32_t *s = malloc(n * 4), *r = malloc(n * 4);
+      fill(BRAID_INT32, op, s, n, rank);
+      memset(r, 0, n * 4);
+      CHECK(braid_reduce(s, rank == root ? r : NULL, n, BRAID_INT32, op, root, comm, NULL));
+      if (rank == root) expect_reduced("reduce", BRAID_INT32, op, r, n);
+      expect_input("reduce leaves sendbuf alone", BRAID_INT32, op, s, n, rank);
+      /* In place. */
+      fill(BRAID_INT32, op, s, n, rank);
+      CHECK(braid_reduce(s, s, n, BRAID_INT32, op, root, comm, NULL));
+      if (rank == root) expect_reduced("reduce in place", BRAID_INT32, op, s, n);
+      else expect_input("reduce in place leaves non-root buffers alone", BRAID_INT32, op, s, n, rank);
+      free(s);
+      free(r);
+    }
+    free(send);
+    free(recv);
+    free(raw);
+  }
+}
+
+static void async_variants(braid_comm *comm, int rank) {
+  enum { K = 4 };
+  size_t n = 4099;
+  float *bufs[K], *outs[K];
+  braid_work *works[K];
+  /* Several in flight at once, half in place, waited in reverse order. */
+  for (int k = 0; k < K; k++) {
+    bufs[k] = malloc(n * sizeof(float));
+    outs[k] = k % 2 ? bufs[k] : malloc(n * sizeof(float));
+    fill(BRAID_FLOAT32, BRAID_SUM, bufs[k], n, rank + k);
+    CHECK(braid_all_reduce_async(bufs[k], outs[k], n, BRAID_FLOAT32, BRAID_SUM, comm, NULL,
+                                 &works[k]));
+  }
+  for (int k = K - 1; k >= 0; k--) {
+    CHECK(braid_work_wait(works[k]));
+    CHECK(braid_work_wait(works[k])); /* a second wait returns the same result */
+    for (size_t i = 0; i < n; i++) {
+      double want = 0;
+      for (int r = 0; r < g_world; r++) want += input(r + k, i, BRAID_FLOAT32, BRAID_SUM);
+      EXPECT(outs[k][i] == want, "all_reduce_async %d: element %zu is %g, expected %g", k, i,
+             outs[k][i], want);
+    }
+    CHECK(braid_work_free(works[k]));
+    if (!(k % 2)) free(outs[k]);
+    free(bufs[k]);
+    g_checks++;
+  }
+  /* braid_work_test until done: the result is then in recvbuf without a wait. */
+  int64_t *x = malloc(n * 8);
+  fill(BRAID_INT64, BRAID_MAX, x, n, rank);
+  braid_work *w;
+  CHECK(braid_all_reduce_async(x, x, n, BRAID_INT64, BRAID_MAX, comm, NULL, &w));
+  int done = 0;
+  for (long spins = 0; !done; spins++) {
+    CHECK(braid_work_test(w, &done));
+    EXPECT(spins < 100000000L, "braid_work_test never reported done");
+  }
+  expect_reduced("all_reduce_async tested", BRAID_INT64, BRAID_MAX, x, n);
+  CHECK(braid_work_free(w));
+  free(x);
+  /* All-gather, broadcast and barrier. */
+  uint8_t *mine = malloc(n), *all = malloc(n * (size_t)g_world);
+  fill(BRAID_UINT8, BRAID_SUM, mine, n, rank);
+  CHECK(braid_all_gather_async(mine, all, n, BRAID_UINT8, comm, NULL, &w));
+  memset(mine, 0xff, n); /* sendbuf may be reused as soon as the call returns */
+  CHECK(braid_work_wait(w));
+  CHECK(braid_work_free(w));
+  for (int r = 0; r < g_world; r++)
+    expect_input("all_gather_async block", BRAID_UINT8, BRAID_SUM, all + (size_t)r * n, n, r);
+  int root = g_world - 1;
+  double *b = malloc(n * sizeof(double));
+  if (rank == root) fill(BRAID_FLOAT64, BRAID_SUM, b, n, root);
+  else memset(b, 0, n * sizeof(double));
+  CHECK(braid_broadcast_async(b, b, n, BRAID_FLOAT64, root, comm, NULL, &w));
+  CHECK(braid_work_wait(w));
+  CHECK(braid_work_free(w));
+  expect_input("broadcast_async", BRAID_FLOAT64, BRAID_SUM, b, n, root);
+  CHECK(braid_barrier_async(comm, NULL, &w));
+  CHECK(braid_work_wait(w));
+  CHECK(braid_work_free(w));
+  /* Work freed before completion: the op still runs, in order, and the next collective works. */
+  float one = 1;
+  CHECK(braid_all_reduce_async(&one, &one, 1, BRAID_FLOAT32, BRAID_SUM, comm, NULL, &w));
+  CHECK(braid_work_free(w));
+  float two = 2;
+  CHECK(braid_all_reduce(&two, &two, 1, BRAID_FLOAT32, BRAID_SUM, comm, NULL));
+  EXPECT(two == 2.0f * g_world, "all_reduce after a freed work gave %g", two);
+  free(mine);
+  free(all);
+  free(b);
+  g_checks += 4;
+}
+
+int main(void) {
+  const char *root = getenv("BRAID_ROOT"), *secret = getenv("BRAID_SECRET");
+  const char *rank_s = getenv("BRAID_RANK"), *world_s = getenv("BRAID_WORLD_SIZE");
+  EXPECT(root && secret && rank_s && world_s, "run me under `braid run -n N`");
+  g_rank = atoi(rank_s);
+  g_world = atoi(world_s);
+
+  int version = 0;
+  CHECK(braid_get_version(&version));
+  EXPECT(version == BRAID_VERSION_CODE, "library version %d, header %d", version,
+         BRAID_VERSION_CODE);
+
+  /* The id from the launcher's variables, and a config with a timeout and argument checks. */
+  braid_unique_id id;
+  memset(&id, 0, sizeof id);
+  snprintf(id.internal, sizeof id.internal, "%s/%s", root, secret);
+  braid_config cfg;
+  CHECK(braid_config_init(&cfg));
+  cfg.timeout_ms = 60000;
+  cfg.debug_checks = 1;
+  braid_comm *comm = NULL;
+  CHECK(braid_comm_init_rank(&comm, g_world, id, g_rank, &cfg));
+  int n = 0, r = -1;
+  CHECK(braid_comm_count(comm, &n));
+  CHECK(braid_comm_rank(comm, &r));
+  EXPECT(n == g_world && r == g_rank, "count %d rank %d, expected %d %d", n, r, g_world, g_rank);
+
+  all_reduce(comm, g_rank);
+  reduce_scatter(comm, g_rank);
+  all_gather(comm, g_rank);
+  broadcast_and_reduce(comm, g_rank);
+  async_variants(comm, g_rank);
+  CHECK(braid_barrier(comm, NULL));
+
+  braid_result async_rc = BRAID_INTERNAL;
+  CHECK(braid_comm_get_async_error(comm, &async_rc));
+  EXPECT(async_rc == BRAID_SUCCESS, "async error %d: %s", async_rc,
+         braid_get_last_error_message());
+  CHECK(braid_comm_destroy(comm));
+  printf("rank %d: collectives ok (%ld checks)\n", g_rank, g_checks);
+  return 0;
+}

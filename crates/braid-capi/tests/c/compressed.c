@@ -1,0 +1,139 @@
+/* Compressed all-reduce through braid.h: every codec gives bit-identical results on every rank and takes
+ * its path; the lossless ones (none, fp16 on small integers) give the exact average; error feedback
+ * carries what top-k dropped into the next step; bad input is rejected without effect.
+ * Run as every rank of `braid run -n N`. */
+#include <stdint.h>
+
+#include "check.h"
+
+#define LEN 4096
+
+static int g_world;
+
+static uint64_t fnv(const void *p, size_t n) {
+  const unsigned char *b = p;
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+  return h;
+}
+
+/* Every rank holds the same bits. */
+static void expect_identical(braid_comm *comm, const float *g, const char *what) {
+  uint64_t mine = fnv(g, LEN * sizeof(float)), all[64];
+  CHECK(braid_all_gather(&mine, all, 1, BRAID_UINT64, comm, NULL));
+  for (int r = 0; r < g_world; r++)
+    EXPECT(all[r] == mine, "%s: rank %d's result differs from rank %d's", what, r, g_rank);
+}
+
+static void fill(float *g, int rank) {
+  for (int i = 0; i < LEN; i++) g[i] = (float)((rank * 7 + i * 3) % 17) - 8.0f;
+}
+
+int main(void) {
+  const char *rank_s = getenv("BRAID_RANK");
+  EXPECT(rank_s, "run me under `braid run -n N`");
+  g_rank = atoi(rank_s);
+  braid_comm *comm;
+  CHECK(braid_comm_init_from_env(&comm));
+  CHECK(braid_comm_count(comm, &g_world));
+  EXPECT(g_world <= 64, "at most 64 ranks");
+
+  static const struct {
+    const char *spec;
+    braid_compress_path path, alt;
+    int exact;
+  } codecs[] = {
+      {"none", BRAID_PATH_DENSE, BRAID_PATH_DENSE, 1},
+      {"fp16", BRAID_PATH_SUM_CLOSED, BRAID_PATH_SUM_CLOSED, 1},
+      {"bf16", BRAID_PATH_SUM_CLOSED, BRAID_PATH_SUM_CLOSED, 0},
+      {"topk:0.1", BRAID_PATH_SPARSE_ALL_GATHER, BRAID_PATH_SPARSE_DENSE_SWITCH, 0},
+      {"int8", BRAID_PATH_TWO_PHASE, BRAID_PATH_TWO_PHASE, 0},
+      {"sign", BRAID_PATH_TWO_PHASE, BRAID_PATH_TWO_PHASE, 0},
+      {"powersgd:2", BRAID_PATH_POWER_ITERATION, BRAID_PATH_POWER_ITERATION, 0},
+  };
+  float *g = malloc(LEN * sizeof(float));
+  for (size_t k = 0; k < sizeof codecs / sizeof codecs[0]; k++) {
+    braid_compressor *c;
+    CHECK(braid_compressor_create(&c, codecs[k].spec, 1, LEN));
+    for (int step = 0; step < 3; step++) {
+      fill(g, g_rank + step);
+      braid_compress_stats st;
+      memset(&st, 0xff, sizeof st);
+      CHECK(braid_all_reduce_compressed(g, LEN, BRAID_AVG, c, comm, &st));
+      EXPECT(st.path == codecs[k].path || st.path == codecs[k].alt, "%s: path %d", codecs[k].spec,
+             st.path);
+      EXPECT(st.len == LEN && st.step == (uint64_t)step + 1, "%s: len %llu step %llu", codecs[k].spec,
+             (unsigned long long)st.len, (unsigned long long)st.step);
+      EXPECT(st.density > 0 && st.density <= 1, "%s: density %g", codecs[k].spec, st.density);
+      EXPECT(st.compression_error >= 0 && st.grad_norm > 0, "%s: error %g, norm %g", codecs[k].spec,
+             st.compression_error, st.grad_norm);
+      EXPECT(st.dense_bytes == 4 * LEN && st.wire_bytes > 0, "%s: bytes %llu %llu", codecs[k].spec,
+             (unsigned long long)st.dense_bytes, (unsigned long long)st.wire_bytes);
+      expect_identical(comm, g, codecs[k].spec);
+      if (codecs[k].exact) {
+        EXPECT(st.compression_error == 0, "%s: compression error %g", codecs[k].spec,
+               st.compression_error);
+        for (int i = 0; i < LEN; i++) {
+          double want = 0;
+          for (int r = 0; r < g_world; r++) want += (double)((((r + step) * 7 + i * 3) % 17) - 8);
+          want /= g_world;
+          EXPECT(g[i] == (float)want, "%s: element %d is %g, expected %g", codecs[k].spec, i, g[i],
+                 want);
+        }
+      }
+    }
+    CHECK(braid_compressor_reset(c));
+    /* Without stats, unaligned: the call still works. */
+    char *raw = malloc(LEN * sizeof(float) + 1);
+    fill(g, g_rank);
+    memcpy(raw + 1, g, LEN * sizeof(float));
+    CHECK(braid_all_reduce_compressed((float *)(void *)(raw + 1), LEN, BRAID_SUM, c, comm, NULL));
+    free(raw);
+    CHECK(braid_compressor_destroy(c));
+  }
+
+  /* Hostile input: rejected, gradient unchanged. */
+  braid_compressor *c = NULL;
+  CHECK(braid_compressor_create(&c, "topk:0.5", 0, LEN));
+  fill(g, g_rank);
+  uint64_t before = fnv(g, LEN * sizeof(float));
+  /* Each call is made once, in order; the messages of two are checked below. */
+  struct {
+    const char *name;
+    braid_result rc;
+  } r[] = {
+      {"bad codec", braid_compressor_create(&c, "topk:7", 1, LEN)},
+      {"unknown codec", braid_compressor_create(&c, "zip", 1, LEN)},
+      {"error_feedback 3", braid_compressor_create(&c, "int8", 3, LEN)},
+      {"out NULL", braid_compressor_create(NULL, "int8", 1, LEN)},
+      {"count != len", braid_all_reduce_compressed(g, LEN - 1, BRAID_SUM, c, comm, NULL)},
+      {"op prod", braid_all_reduce_compressed(g, LEN, BRAID_PROD, c, comm, NULL)},
+      {"op 42", braid_all_reduce_compressed(g, LEN, 42, c, comm, NULL)},
+      {"grad NULL", braid_all_reduce_compressed(NULL, LEN, BRAID_SUM, c, comm, NULL)},
+      {"compressor NULL", braid_all_reduce_compressed(g, LEN, BRAID_SUM, NULL, comm, NULL)},
+      {"comm as compressor", braid_all_reduce_compressed(g, LEN, BRAID_SUM, (braid_compressor *)comm, comm, NULL)},
+      {"comm NULL", braid_all_reduce_compressed(g, LEN, BRAID_SUM, c, NULL, NULL)},
+  };
+  for (size_t i = 0; i < sizeof r / sizeof r[0]; i++) {
+    EXPECT(r[i].rc == BRAID_INVALID_ARGUMENT, "%s: returned %d", r[i].name, r[i].rc);
+  }
+  /* The messages, one call at a time (each call replaces the last message). */
+  EXPECT(braid_compressor_create(&c, "topk:7", 1, LEN) == BRAID_INVALID_ARGUMENT &&
+             strstr(braid_get_last_error_message(), "codec_spec"),
+         "message: %s", braid_get_last_error_message());
+  EXPECT(braid_all_reduce_compressed(g, LEN - 1, BRAID_SUM, c, comm, NULL) == BRAID_INVALID_ARGUMENT &&
+             strstr(braid_get_last_error_message(), "len"),
+         "message: %s", braid_get_last_error_message());
+  EXPECT(fnv(g, LEN * sizeof(float)) == before, "a rejected call changed the gradient");
+  CHECK(braid_compressor_destroy(c));
+  EXPECT(braid_compressor_destroy(c) == BRAID_INVALID_ARGUMENT, "double destroy accepted");
+  EXPECT(braid_compressor_reset(c) == BRAID_INVALID_ARGUMENT, "reset after destroy accepted");
+  CHECK(braid_compressor_destroy(NULL));
+
+  /* The communicator still works. */
+  CHECK(braid_barrier(comm, NULL));
+  CHECK(braid_comm_destroy(comm));
+  free(g);
+  printf("rank %d: compressed ok\n", g_rank);
+  return 0;
+}

@@ -1,0 +1,1143 @@
+//! Compressed all-reduce: the codecs of `braid-compress` wired into the collectives.
+//!
+//! Each codec family needs its own way through the network, because what can be summed on the wire
+//! differs ([`braid_compress::Transport`]):
+//!
+//! * fp16/bf16 casts and random-k with a shared seed are closed under addition, so their compressed form
+//!   rides the ordinary all-reduce ([`CompressedPath::SumClosed`]);
+//! * PowerSGD sums its two factors one at a time, orthogonalising in between, and warm-starts from the
+//!   last summed `Q` ([`CompressedPath::PowerIteration`]); each rank's error buffer keeps what its own share
+//!   of the approximation, `P·(Mᵀ·P)ᵀ`, missed, so the ranks' errors add up to what the summed
+//!   approximation missed;
+//! * top-k carries per-rank indices: ranks all-gather their `(index, value)` pairs and every rank sums them
+//!   in rank order ([`CompressedPath::SparseAllGather`]), unless the union would be dense enough that a
+//!   dense all-reduce of the sparse updates is cheaper ([`CompressedPath::SparseDenseSwitch`], SparCML);
+//! * int8 and sign carry per-rank scales: DeepSpeed's two-phase scheme exchanges compressed shards
+//!   all-to-all, reduces each shard in f32 on its owner, re-compresses it with a second error buffer and
+//!   all-gathers the compressed shards ([`CompressedPath::TwoPhase`]).
+//!
+//! Every rank decodes the same bytes and sums in the same order, so results are bit-identical across
+//! ranks. Error feedback remembers what compression dropped and adds it to the next gradient; the
+//! statistics of each local compression step (gradient norm, compression error, density, staleness) come
+//! back in a [`CompressedReport`] and are logged at debug level under the target `braid::compress`.
+
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+use braid_compress::power_sgd::{
+    initial_q, matrix_shape, multiply, multiply_transposed, orthogonalize,
+};
+use braid_compress::{
+    l2_norm, Cast, Codec, Compressed, ErrorFeedback, Int8, Payload, RandomK, Sign, Staleness,
+    Stats, ThresholdTopK, TopK, DEFAULT_BLOCK, DEFAULT_DENSITY,
+};
+use braid_core::{parse_bool, DType, Error, ReduceOp};
+use braid_sched::partition;
+use tracing::{debug, warn};
+
+use crate::{Collective, Communicator};
+
+/// The forms [`CodecSpec`]'s parser accepts, for error messages.
+const ACCEPTED: &str = "none, dense, topk:D, threshold-topk:D, randomk:D, int8, int8:B, int8-stochastic, \
+                        int8-stochastic:B, sign, sign:B, fp16, bf16, powersgd:R (D a density in (0, 1], B a \
+                        block size ≥ 1, R a rank ≥ 1)";
+
+/// Bytes of a compressed tensor's header (`braid_compress::wire`).
+const HEADER: usize = braid_compress::wire::HEADER_BYTES;
+
+/// Which codec compresses the gradient, with its parameters. Text form: see [`FromStr`](#impl-FromStr-for-CodecSpec).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum CodecSpec {
+    /// No compression: a plain all-reduce.
+    Dense,
+    /// Exact top-k by magnitude, keeping `density` of the elements.
+    TopK {
+        /// Fraction of elements kept, in `(0, 1]`.
+        density: f32,
+    },
+    /// Top-k by a sampled threshold (Deep Gradient Compression); the achieved density is approximate.
+    ThresholdTopK {
+        /// Target fraction of elements kept, in `(0, 1]`.
+        density: f32,
+    },
+    /// Random-k with the configuration's seed, the same indices on every rank.
+    RandomK {
+        /// Fraction of elements kept, in `(0, 1]`.
+        density: f32,
+    },
+    /// Int8 with one scale per `block` elements, rounding to nearest or stochastically.
+    Int8 {
+        /// Elements per scale, `1..=u32::MAX`.
+        block: usize,
+        /// Unbiased stochastic rounding (seeded by the configuration's seed).
+        stochastic: bool,
+    },
+    /// 1-bit sign with one scale (mean magnitude) per `block` elements.
+    Sign {
+        /// Elements per scale, `1..=u32::MAX`.
+        block: usize,
+    },
+    /// Cast to IEEE binary16.
+    Fp16,
+    /// Cast to bfloat16.
+    Bf16,
+    /// PowerSGD of the given rank.
+    PowerSgd {
+        /// Number of factors, at least 1.
+        rank: usize,
+    },
+}
+
+impl CodecSpec {
+    /// The codec's local (one-rank) reference from braid-compress, e.g. to time compression alone;
+    /// `None` for [`CodecSpec::Dense`].
+    pub fn local_codec(&self, seed: u64) -> Result<Option<BoxedCodec>, Error> {
+        match *self {
+            CodecSpec::PowerSgd { rank } => Ok(Some(Box::new(
+                braid_compress::PowerSgd::new(rank, seed).map_err(codec_error)?,
+            ))),
+            other => build_codec(other, seed),
+        }
+    }
+
+    /// Checks the parameters; an error names what is wrong.
+    pub fn validate(&self) -> Result<(), Error> {
+        let bad = |why: String| Err(Error::invalid(format!("compression codec {self}: {why}")));
+        match *self {
+            CodecSpec::TopK { density }
+            | CodecSpec::ThresholdTopK { density }
+            | CodecSpec::RandomK { density }
+                if !(density > 0.0 && density <= 1.0) =>
+            {
+                bad(format!("density {density} is not in (0, 1]"))
+            }
+            CodecSpec::Int8 { block, .. } | CodecSpec::Sign { block }
+                if block == 0 || block > u32::MAX as usize =>
+            {
+                bad(format!("block size {block} is not in 1..={}", u32::MAX))
+            }
+            CodecSpec::PowerSgd { rank } if rank == 0 || rank > u32::MAX as usize => {
+                bad(format!("rank {rank} is not in 1..={}", u32::MAX))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The path a tensor compressed with this codec takes (before any dense switch).
+    fn nominal_path(&self) -> CompressedPath {
+        match self {
+            CodecSpec::Dense => CompressedPath::Dense,
+            CodecSpec::TopK { .. } | CodecSpec::ThresholdTopK { .. } => {
+                CompressedPath::SparseAllGather
+            }
+            CodecSpec::RandomK { .. } | CodecSpec::Fp16 | CodecSpec::Bf16 => {
+                CompressedPath::SumClosed
+            }
+            CodecSpec::Int8 { .. } | CodecSpec::Sign { .. } => CompressedPath::TwoPhase,
+            CodecSpec::PowerSgd { .. } => CompressedPath::PowerIteration,
+        }
+    }
+
+    /// Whether the codec sends element indices as u32 (which bounds the tensor length).
+    fn sends_indices(&self) -> bool {
+        matches!(
+            self,
+            CodecSpec::TopK { .. } | CodecSpec::ThresholdTopK { .. } | CodecSpec::RandomK { .. }
+        )
+    }
+}
+
+/// Parses the text forms `none` or `dense`, `topk:D`, `threshold-topk:D`, `randomk:D` (`D` a density in
+/// `(0, 1]`; without it, 0.1), `int8`, `int8:B`, `int8-stochastic`, `int8-stochastic:B`, `sign`, `sign:B`
+/// (`B` a block size, 256 without it), `fp16`, `bf16`, `powersgd:R` (`R` the rank, 1 without it). Case and
+/// surrounding spaces are ignored. An error names the bad text and lists the accepted forms.
+impl FromStr for CodecSpec {
+    type Err = Error;
+
+    fn from_str(text: &str) -> Result<Self, Error> {
+        let t = text.trim().to_ascii_lowercase();
+        let (name, arg) = match t.split_once(':') {
+            Some((n, a)) => (n.trim(), Some(a.trim())),
+            None => (t.as_str(), None),
+        };
+        let bad = |why: String| {
+            Error::invalid(format!(
+                "compression codec {text:?}: {why}; accepted: {ACCEPTED}"
+            ))
+        };
+        let density = || -> Result<f32, Error> {
+            let Some(a) = arg else {
+                return Ok(DEFAULT_DENSITY);
+            };
+            let d: f32 = a
+                .parse()
+                .map_err(|_| bad(format!("density {a:?} is not a number")))?;
+            if d > 0.0 && d <= 1.0 {
+                Ok(d)
+            } else {
+                Err(bad(format!("density {a} is not in (0, 1]")))
+            }
+        };
+        let block = || -> Result<usize, Error> {
+            let Some(a) = arg else {
+                return Ok(DEFAULT_BLOCK);
+            };
+            match a.parse::<usize>() {
+                Ok(b) if b >= 1 && b <= u32::MAX as usize => Ok(b),
+                _ => Err(bad(format!(
+                    "block size {a:?} is not an integer in 1..={}",
+                    u32::MAX
+                ))),
+            }
+        };
+        let no_arg = |spec: CodecSpec| match arg {
+            None => Ok(spec),
+            Some(a) => Err(bad(format!("{name} takes no parameter, got {a:?}"))),
+        };
+        match name {
+            "none" | "dense" => no_arg(CodecSpec::Dense),
+            "topk" | "top-k" => Ok(CodecSpec::TopK {
+                density: density()?,
+            }),
+            "threshold-topk" | "threshold-top-k" => Ok(CodecSpec::ThresholdTopK {
+                density: density()?,
+            }),
+            "randomk" | "random-k" => Ok(CodecSpec::RandomK {
+                density: density()?,
+            }),
+            "int8" => Ok(CodecSpec::Int8 {
+                block: block()?,
+                stochastic: false,
+            }),
+            "int8-stochastic" => Ok(CodecSpec::Int8 {
+                block: block()?,
+                stochastic: true,
+            }),
+            "sign" => Ok(CodecSpec::Sign { block: block()? }),
+            "fp16" => no_arg(CodecSpec::Fp16),
+            "bf16" => no_arg(CodecSpec::Bf16),
+            "powersgd" | "power-sgd" => {
+                let rank = match arg {
+                    None => 1,
+                    Some(a) => match a.parse::<usize>() {
+                        Ok(r) if r >= 1 && r <= u32::MAX as usize => r,
+                        _ => {
+                            return Err(bad(format!(
+                                "rank {a:?} is not an integer in 1..={}",
+                                u32::MAX
+                            )))
+                        }
+                    },
+                };
+                Ok(CodecSpec::PowerSgd { rank })
+            }
+            other => Err(bad(format!("unknown codec {other:?}"))),
+        }
+    }
+}
+
+/// The canonical text form, which [`FromStr`] parses back to the same value.
+impl fmt::Display for CodecSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CodecSpec::Dense => write!(f, "dense"),
+            CodecSpec::TopK { density } => write!(f, "topk:{density}"),
+            CodecSpec::ThresholdTopK { density } => write!(f, "threshold-topk:{density}"),
+            CodecSpec::RandomK { density } => write!(f, "randomk:{density}"),
+            CodecSpec::Int8 {
+                block,
+                stochastic: false,
+            } => write!(f, "int8:{block}"),
+            CodecSpec::Int8 {
+                block,
+                stochastic: true,
+            } => write!(f, "int8-stochastic:{block}"),
+            CodecSpec::Sign { block } => write!(f, "sign:{block}"),
+            CodecSpec::Fp16 => write!(f, "fp16"),
+            CodecSpec::Bf16 => write!(f, "bf16"),
+            CodecSpec::PowerSgd { rank } => write!(f, "powersgd:{rank}"),
+        }
+    }
+}
+
+/// How a tensor is compressed. Every rank must use the same configuration for the same tensor.
+#[derive(Clone, Debug)]
+pub struct CompressionConfig {
+    /// The codec.
+    pub codec: CodecSpec,
+    /// Remember what compression dropped and add it to the next gradient.
+    pub error_feedback: bool,
+    /// Weight of the remembered error in `[0, 1]` (`None`: 1). Ignored without error feedback.
+    pub decay: Option<f32>,
+    /// L2 bound the local gradient is clipped to before compression, on every path including the dense
+    /// one (`None`: no clipping).
+    pub clip_norm: Option<f32>,
+    /// Top-k only: when the ranks' non-zeros add up to more than `dense_switch · len`, the sparse updates
+    /// are all-reduced densely instead of all-gathered (≥ 0; infinity never switches).
+    pub dense_switch: f64,
+    /// The optimizer is adaptive (Adam and its kin): warn below 1% density.
+    pub adaptive_optimizer: bool,
+    /// Seed of random-k's indices, threshold sampling, stochastic rounding and PowerSGD's first `Q`.
+    pub seed: u64,
+}
+
+impl Default for CompressionConfig {
+    /// The seed's advice: top-k at 10% density, error feedback on, no clipping, dense switch at 0.5.
+    fn default() -> Self {
+        CompressionConfig {
+            codec: CodecSpec::TopK {
+                density: DEFAULT_DENSITY,
+            },
+            error_feedback: true,
+            decay: None,
+            clip_norm: None,
+            dense_switch: 0.5,
+            adaptive_optimizer: false,
+            seed: 0,
+        }
+    }
+}
+
+impl CompressionConfig {
+    /// The defaults overridden by `BRAID_COMPRESS` (codec text), `BRAID_COMPRESS_EF` (0/1),
+    /// `BRAID_COMPRESS_CLIP` (max norm, or `none`), `BRAID_COMPRESS_DECAY` and
+    /// `BRAID_COMPRESS_DENSE_SWITCH`. A bad value is an [`Error::InvalidArgument`] naming the variable.
+    pub fn from_env() -> Result<Self, Error> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// [`from_env`](Self::from_env) with `lookup` standing in for the environment.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
+        let mut c = CompressionConfig::default();
+        let named = |var: &str, v: &str, why: String| Error::invalid(format!("{var}={v:?}: {why}"));
+        if let Some(v) = lookup("BRAID_COMPRESS") {
+            c.codec = v
+                .parse()
+                .map_err(|e| named("BRAID_COMPRESS", &v, message(e)))?;
+        }
+        if let Some(v) = lookup("BRAID_COMPRESS_EF") {
+            c.error_feedback = parse_bool("BRAID_COMPRESS_EF", &v)?;
+        }
+        if let Some(v) = lookup("BRAID_COMPRESS_CLIP") {
+            c.clip_norm = match v.trim().to_ascii_lowercase().as_str() {
+                "" | "none" | "off" => None,
+                t => match t.parse::<f32>() {
+                    Ok(x) if x > 0.0 && x.is_finite() => Some(x),
+                    _ => {
+                        return Err(named(
+                            "BRAID_COMPRESS_CLIP",
+                            &v,
+                            "not a finite number > 0 (or none)".into(),
+                        ))
+                    }
+                },
+            };
+        }
+        if let Some(v) = lookup("BRAID_COMPRESS_DECAY") {
+            match v.trim().parse::<f32>() {
+                Ok(x) if (0.0..=1.0).contains(&x) => c.decay = Some(x),
+                _ => {
+                    return Err(named(
+                        "BRAID_COMPRESS_DECAY",
+                        &v,
+                        "not a number in [0, 1]".into(),
+                    ))
+                }
+            }
+        }
+        if let Some(v) = lookup("BRAID_COMPRESS_DENSE_SWITCH") {
+            match v.trim().parse::<f64>() {
+                Ok(x) if x >= 0.0 => c.dense_switch = x,
+                _ => {
+                    return Err(named(
+                        "BRAID_COMPRESS_DENSE_SWITCH",
+                        &v,
+                        "not a number ≥ 0".into(),
+                    ))
+                }
+            }
+        }
+        Ok(c)
+    }
+
+    /// Checks every field; an error names what is wrong.
+    pub fn validate(&self) -> Result<(), Error> {
+        self.codec.validate()?;
+        if let Some(d) = self.decay {
+            if !(0.0..=1.0).contains(&d) {
+                return Err(Error::invalid(format!(
+                    "compression decay {d} is not in [0, 1]"
+                )));
+            }
+        }
+        if let Some(c) = self.clip_norm {
+            if !(c > 0.0 && c.is_finite()) {
+                return Err(Error::invalid(format!(
+                    "compression clip norm {c} is not a finite number > 0"
+                )));
+            }
+        }
+        if self.dense_switch.is_nan() || self.dense_switch < 0.0 {
+            return Err(Error::invalid(format!(
+                "compression dense switch {} is not a number ≥ 0",
+                self.dense_switch
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The text of an error without its kind prefix.
+fn message(e: Error) -> String {
+    match e {
+        Error::InvalidArgument(m) => m,
+        other => other.to_string(),
+    }
+}
+
+/// Which way a compressed all-reduce went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CompressedPath {
+    /// A plain all-reduce of the f32 gradient.
+    Dense,
+    /// The compressed form was all-reduced (fp16/bf16, random-k).
+    SumClosed,
+    /// PowerSGD: all-reduce P, orthogonalise, all-reduce Q.
+    PowerIteration,
+    /// Top-k pairs all-gathered and summed in rank order.
+    SparseAllGather,
+    /// Top-k whose ranks' non-zeros exceeded the dense switch: a dense all-reduce of the sparse updates.
+    SparseDenseSwitch,
+    /// Int8/sign: all-to-all of compressed shards, reduce and re-compress per shard, all-gather.
+    TwoPhase,
+}
+
+/// What one [`Communicator::all_reduce_compressed`] call did.
+#[derive(Clone, Debug)]
+pub struct CompressedReport {
+    /// The local compression step's statistics (norms, compression error, achieved density, wire bytes,
+    /// staleness).
+    pub stats: Stats,
+    /// The way the call went.
+    pub path: CompressedPath,
+    /// Bytes this rank put on the wire in this call (from the schedules' traffic).
+    pub sent_bytes: u64,
+    /// What a dense ring all-reduce of the f32 gradient would have sent from this rank: `2(n−1)/n · 4 · len`.
+    pub dense_sent_bytes: u64,
+    /// The seed's warnings for this step's density (see [`braid_compress::warnings`]).
+    pub warnings: Vec<String>,
+}
+
+/// A codec behind a pointer, as [`CodecSpec::local_codec`] returns it.
+pub type BoxedCodec = Box<dyn Codec + Send + Sync>;
+
+/// The compression state of one tensor or bucket: codec, error buffers, step counter, last statistics.
+/// Make one per tensor, with the same configuration and length on every rank.
+pub struct GradientCompressor {
+    config: CompressionConfig,
+    len: usize,
+    step: u64,
+    /// The local codec (none for dense and PowerSGD, which use the helpers directly).
+    codec: Option<BoxedCodec>,
+    /// The local error buffer (and clipping, decay, staleness) of every compressing path.
+    ef: ErrorFeedback,
+    /// Staleness of the paths that do not go through `ef.step` (dense, PowerSGD).
+    staleness: Staleness,
+    /// Two-phase: `(world, rank)` it was made for, the shard's codec and its second error buffer.
+    server: Option<(usize, usize, BoxedCodec, ErrorFeedback)>,
+    /// PowerSGD's warm-started Q.
+    warm_q: Option<Vec<f32>>,
+    last: Option<Stats>,
+    warned: bool,
+}
+
+impl fmt::Debug for GradientCompressor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GradientCompressor")
+            .field("config", &self.config)
+            .field("len", &self.len)
+            .field("step", &self.step)
+            .finish_non_exhaustive()
+    }
+}
+
+fn codec_error(e: braid_compress::Error) -> Error {
+    Error::invalid(e.to_string())
+}
+
+fn build_codec(spec: CodecSpec, seed: u64) -> Result<Option<BoxedCodec>, Error> {
+    Ok(match spec {
+        CodecSpec::Dense | CodecSpec::PowerSgd { .. } => None,
+        CodecSpec::TopK { density } => Some(Box::new(TopK::new(density).map_err(codec_error)?)),
+        CodecSpec::ThresholdTopK { density } => Some(Box::new(
+            ThresholdTopK::new(density, seed).map_err(codec_error)?,
+        )),
+        CodecSpec::RandomK { density } => {
+            Some(Box::new(RandomK::new(density, seed).map_err(codec_error)?))
+        }
+        CodecSpec::Int8 { block, stochastic } => Some(Box::new(if stochastic {
+            Int8::stochastic(block, seed).map_err(codec_error)?
+        } else {
+            Int8::new(block).map_err(codec_error)?
+        })),
+        CodecSpec::Sign { block } => Some(Box::new(Sign::new(block).map_err(codec_error)?)),
+        CodecSpec::Fp16 => Some(Box::new(Cast::F16)),
+        CodecSpec::Bf16 => Some(Box::new(Cast::Bf16)),
+    })
+}
+
+/// A well-mixed seed for the second (shard) codec of `rank`, so stochastic rounding of different shards
+/// does not reuse the same draws.
+fn shard_seed(seed: u64, rank: usize) -> u64 {
+    let mut z = seed ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl GradientCompressor {
+    /// Compression state for a tensor of `len` elements. Fails, naming the problem, if the configuration
+    /// is invalid or the tensor too long for the codec (index codecs: at most `u32::MAX` elements).
+    pub fn new(config: CompressionConfig, len: usize) -> Result<Self, Error> {
+        config.validate()?;
+        if config.codec.sends_indices() && len > u32::MAX as usize {
+            return Err(Error::invalid(format!(
+                "compression codec {}: a tensor of {len} elements cannot be indexed with u32; split it into \
+                 buckets of at most {} elements",
+                config.codec,
+                u32::MAX
+            )));
+        }
+        if let CodecSpec::PowerSgd { rank } = config.codec {
+            let (rows, cols, _) = matrix_shape(len, None, rank);
+            if rows > u32::MAX as usize || cols > u32::MAX as usize {
+                return Err(Error::invalid(format!(
+                    "compression codec {}: a {rows} × {cols} matrix view does not fit u32 dimensions",
+                    config.codec
+                )));
+            }
+        }
+        let codec = build_codec(config.codec, config.seed)?;
+        let ef = Self::error_feedback(&config, len, config.clip_norm)?;
+        Ok(GradientCompressor {
+            len,
+            step: 0,
+            codec,
+            ef,
+            staleness: Staleness::new(len),
+            server: None,
+            warm_q: None,
+            last: None,
+            warned: false,
+            config,
+        })
+    }
+
+    fn error_feedback(
+        config: &CompressionConfig,
+        len: usize,
+        clip: Option<f32>,
+    ) -> Result<ErrorFeedback, Error> {
+        let mut ef = if config.error_feedback {
+            ErrorFeedback::new(len)
+        } else {
+            ErrorFeedback::disabled(len)
+        };
+        if let (true, Some(d)) = (config.error_feedback, config.decay) {
+            ef = ef.with_decay(d).map_err(codec_error)?;
+        }
+        if let Some(c) = clip {
+            ef = ef.with_clip(c).map_err(codec_error)?;
+        }
+        Ok(ef)
+    }
+
+    /// Number of elements of the tensor.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CompressionConfig {
+        &self.config
+    }
+
+    /// Number of completed compressed all-reduces (it keys the codecs' random streams).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// The statistics of the last call, if any.
+    pub fn last_stats(&self) -> Option<&Stats> {
+        self.last.as_ref()
+    }
+
+    /// The local error buffer: what compression has dropped so far and will add to the next gradient
+    /// (zeros without error feedback's memory, or before the first call).
+    pub fn error(&self) -> &[f32] {
+        &self.ef.error
+    }
+
+    /// Two-phase codecs (int8, sign): the second error buffer of the shard this rank owns, empty before
+    /// the first call.
+    pub fn shard_error(&self) -> &[f32] {
+        self.server.as_ref().map_or(&[], |s| &s.3.error[..])
+    }
+
+    /// Clears the error buffers, staleness and codec state (PowerSGD's warm start), as after loading a
+    /// checkpoint. The step counter is kept, so the random streams do not repeat.
+    pub fn reset(&mut self) {
+        self.ef.reset();
+        self.staleness.reset();
+        self.server = None;
+        self.warm_q = None;
+        if let Some(c) = &mut self.codec {
+            c.reset();
+        }
+        self.last = None;
+    }
+}
+
+/// The clip factor error feedback applies for `grad_norm` (the same rule as [`ErrorFeedback`]).
+fn clip_scale(clip: Option<f32>, grad_norm: f64) -> f32 {
+    match clip {
+        Some(max) if grad_norm > max as f64 => (max as f64 / grad_norm) as f32,
+        _ => 1.0,
+    }
+}
+
+/// Statistics of a step whose update is `update` (for the paths that do not run `ErrorFeedback::step`).
+fn stats_for(
+    staleness: &mut Staleness,
+    update: &[f32],
+    norms: (f64, f32, f64, f64),
+    wire_bytes: usize,
+) -> Stats {
+    let (grad_norm, clip_scale, residual_norm, error_norm) = norms;
+    let len = update.len();
+    let staleness = staleness.observe(update).expect("lengths checked");
+    Stats {
+        len,
+        grad_norm,
+        clip_scale,
+        residual_norm,
+        compression_error: if residual_norm > 0.0 {
+            error_norm / residual_norm
+        } else {
+            0.0
+        },
+        density: if len == 0 {
+            1.0
+        } else {
+            staleness.buckets[0] as f64 / len as f64
+        },
+        wire_bytes,
+        dense_bytes: 4 * len,
+        staleness,
+    }
+}
+
+/// Element ranges of the `n` shards of the two-phase path: block-aligned, so that a shard's encoding is
+/// exactly the slice of the whole tensor's.
+fn shards(len: usize, block: usize, n: usize) -> Vec<Range<usize>> {
+    partition(len.div_ceil(block), n)
+        .into_iter()
+        .map(|b| (b.start * block).min(len)..(b.end * block).min(len))
+        .collect()
+}
+
+/// Encoded size of an int8 or sign tensor of `len` elements.
+fn quant_bytes(spec: CodecSpec, len: usize) -> usize {
+    match spec {
+        CodecSpec::Int8 { block, .. } => HEADER + 4 + 4 * len.div_ceil(block) + len,
+        CodecSpec::Sign { block } => HEADER + 4 + 4 * len.div_ceil(block) + len.div_ceil(8),
+        _ => unreachable!("two-phase codecs only"),
+    }
+}
+
+/// The scales of the block-aligned element `range` (none for an empty one).
+fn block_range(range: &Range<usize>, block: usize) -> Range<usize> {
+    let first = range.start / block;
+    first..first + range.len().div_ceil(block)
+}
+
+/// The part of an int8 or sign tensor covering the block-aligned `range`.
+fn slice_quant(c: &Compressed, range: &Range<usize>) -> Compressed {
+    let payload = match c.payload() {
+        Payload::Int8 {
+            block,
+            scales,
+            quants,
+        } => {
+            let b = *block as usize;
+            Payload::Int8 {
+                block: *block,
+                scales: scales[block_range(range, b)].to_vec(),
+                quants: quants[range.clone()].to_vec(),
+            }
+        }
+        Payload::Sign {
+            block,
+            scales,
+            bits,
+        } => {
+            let b = *block as usize;
+            let mut out = vec![0u8; range.len().div_ceil(8)];
+            for (j, i) in range.clone().enumerate() {
+                out[j / 8] |= ((bits[i / 8] >> (i % 8)) & 1) << (j % 8);
+            }
+            Payload::Sign {
+                block: *block,
+                scales: scales[block_range(range, b)].to_vec(),
+                bits: out,
+            }
+        }
+        other => unreachable!("two-phase payloads only, got {}", other.kind_name()),
+    };
+    Compressed::new(range.len(), payload).expect("a block-aligned slice of a valid tensor is valid")
+}
+
+fn fnv(b: &[u8]) -> u64 {
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+        (h ^ *x as u64).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+impl Communicator {
+    /// All-reduces the gradient `grad` compressed as `state` says, with error feedback; the result
+    /// overwrites `grad` and is bit-identical on every rank. `op` is [`ReduceOp::Sum`] or
+    /// [`ReduceOp::Avg`] (the sum divided by the world size in f32).
+    ///
+    /// Every rank must call this with the same configuration and length, in the same order relative to its
+    /// other collectives. `grad.len() != state.len()` or another `op` is an [`Error::InvalidArgument`]
+    /// that changes nothing. See the [module documentation](crate::compressed) for the paths.
+    pub fn all_reduce_compressed(
+        &self,
+        grad: &mut [f32],
+        op: ReduceOp,
+        state: &mut GradientCompressor,
+    ) -> Result<CompressedReport, Error> {
+        if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
+            return Err(Error::invalid(format!(
+                "all_reduce_compressed: op must be sum or avg, got {op}"
+            )));
+        }
+        if grad.len() != state.len {
+            return Err(Error::invalid(format!(
+                "all_reduce_compressed: the gradient has {} elements, the compressor was made for {}",
+                grad.len(),
+                state.len
+            )));
+        }
+        let (n, len) = (self.world_size(), state.len);
+        if self.config().debug_checks {
+            self.check_same_compression(state)?;
+        }
+        let spec = state.config.codec;
+        let (stats, path, sent) = if len == 0 {
+            let stats = stats_for(&mut state.staleness, &[], (0.0, 1.0, 0.0, 0.0), 0);
+            (stats, spec.nominal_path(), 0)
+        } else {
+            match spec.nominal_path() {
+                CompressedPath::Dense => self.compressed_dense(grad, op, state)?,
+                CompressedPath::SumClosed => self.compressed_sum_closed(grad, state)?,
+                CompressedPath::PowerIteration => self.compressed_power(grad, state)?,
+                CompressedPath::TwoPhase => self.compressed_two_phase(grad, state)?,
+                _ => self.compressed_sparse(grad, state)?,
+            }
+        };
+        if op == ReduceOp::Avg && path != CompressedPath::Dense {
+            let d = n as f32;
+            grad.iter_mut().for_each(|x| *x /= d);
+        }
+        state.step += 1;
+        let dense_sent_bytes = (2 * (n as u64 - 1) * 4 * len as u64) / n as u64;
+        let warnings = stats.warnings(state.config.adaptive_optimizer);
+        debug!(
+            target: "braid::compress",
+            rank = self.rank(),
+            step = state.step - 1,
+            codec = %spec,
+            path = ?path,
+            grad_norm = stats.grad_norm,
+            clip_scale = stats.clip_scale,
+            compression_error = stats.compression_error,
+            density = stats.density,
+            wire_bytes = stats.wire_bytes,
+            sent_bytes = sent,
+            dense_sent_bytes,
+            stale_max = stats.staleness.max,
+            stale_buckets = ?&stats.staleness.buckets[..],
+            "compressed all-reduce"
+        );
+        if !warnings.is_empty() && !state.warned {
+            state.warned = true;
+            for w in &warnings {
+                warn!(target: "braid::compress", rank = self.rank(), codec = %spec, "{w}");
+            }
+        }
+        state.last = Some(stats.clone());
+        Ok(CompressedReport {
+            stats,
+            path,
+            sent_bytes: sent,
+            dense_sent_bytes,
+            warnings,
+        })
+    }
+
+    /// Bytes this rank sends in an all-reduce of `count` elements of `dtype`, as the schedule braid picks
+    /// sends them.
+    fn all_reduce_sent(&self, count: usize, dtype: DType) -> u64 {
+        let n = self.world_size();
+        if n == 1 || count == 0 {
+            return 0;
+        }
+        let (es, acc) = (dtype.size(), dtype.accumulator().size());
+        let (algo, _) = self.algorithm(Collective::AllReduce, count * es);
+        let slot = self.config().chunk_bytes.next_multiple_of(64);
+        let chunk = (slot / acc).max(1);
+        let hosts = self.hosts();
+        let (r, cost) = (self.rank(), |name| {
+            braid_sched::cost::all_reduce_traffic(name, n, self.rank(), count, es, acc, chunk).1
+        });
+        let bytes = match (algo, hosts.len() > 1) {
+            (crate::Algo::Hier, true) => {
+                braid_sched::cost::hier_traffic(hosts, r, count, es, acc, chunk).bytes
+            }
+            (crate::Algo::Ring, true) => {
+                braid_sched::cost::flat_ring_traffic(hosts, r, count, es, acc, chunk).bytes
+            }
+            // On one host the hierarchical schedule is the ring.
+            (crate::Algo::Hier, false) => cost("ring"),
+            (a, _) => cost(a.name()),
+        };
+        bytes as u64
+    }
+
+    /// Bytes this rank sends in an all-gather or all-to-all of `block` bytes per rank.
+    fn gather_sent(&self, block: usize) -> u64 {
+        ((self.world_size() - 1) * block) as u64
+    }
+
+    /// Peers disagree about the compressed call at `step`.
+    fn mismatch(&self, peer: usize, step: u64, detail: String) -> Error {
+        Error::Mismatch {
+            rank: self.rank(),
+            peer,
+            collective: "all_reduce_compressed".into(),
+            seq: step,
+            detail,
+        }
+    }
+
+    /// `BRAID_DEBUG_CHECKS`: every rank compares a hash of its configuration, length and step.
+    fn check_same_compression(&self, state: &GradientCompressor) -> Result<(), Error> {
+        let text = format!("{:?}/{}/{}", state.config, state.len, state.step);
+        let mine = fnv(text.as_bytes());
+        let (codec, len, step) = (state.config.codec, state.len, state.step);
+        let mut all = vec![0u64; self.world_size()];
+        self.all_gather(&[mine], &mut all)?;
+        match all.iter().position(|h| *h != mine) {
+            None => Ok(()),
+            Some(p) => Err(self.mismatch(
+                p,
+                state.step,
+                format!(
+                    "rank {} compresses {len} elements with {codec} at step {step} ({:?}); rank {p} has a \
+                     different configuration, length or step",
+                    self.rank(),
+                    state.config
+                ),
+            )),
+        }
+    }
+
+    fn compressed_dense(
+        &self,
+        grad: &mut [f32],
+        op: ReduceOp,
+        state: &mut GradientCompressor,
+    ) -> Result<(Stats, CompressedPath, u64), Error> {
+        let grad_norm = l2_norm(grad);
+        let scale = clip_scale(state.config.clip_norm, grad_norm);
+        let residual_norm = if scale == 1.0 {
+            grad_norm
+        } else {
+            grad.iter_mut().for_each(|x| *x *= scale);
+            l2_norm(grad)
+        };
+        let stats = stats_for(
+            &mut state.staleness,
+            grad,
+            (grad_norm, scale, residual_norm, 0.0),
+            4 * grad.len(),
+        );
+        self.all_reduce_in_place(grad, op)?;
+        let sent = self.all_reduce_sent(grad.len(), DType::F32);
+        Ok((stats, CompressedPath::Dense, sent))
+    }
+
+    fn compressed_sum_closed(
+        &self,
+        grad: &mut [f32],
+        state: &mut GradientCompressor,
+    ) -> Result<(Stats, CompressedPath, u64), Error> {
+        let len = grad.len();
+        let codec = state.codec.as_mut().expect("sum-closed codec");
+        let (c, stats) = state
+            .ef
+            .step(grad, &mut **codec, state.step)
+            .map_err(codec_error)?;
+        let sent = match c.into_payload() {
+            Payload::F16(mut v) => {
+                self.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+                grad.iter_mut().zip(&v).for_each(|(g, x)| *g = x.to_f32());
+                self.all_reduce_sent(len, DType::F16)
+            }
+            Payload::Bf16(mut v) => {
+                self.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
+                grad.iter_mut().zip(&v).for_each(|(g, x)| *g = x.to_f32());
+                self.all_reduce_sent(len, DType::BF16)
+            }
+            Payload::RandomK {
+                seed,
+                step,
+                mut values,
+            } => {
+                self.all_reduce_in_place(&mut values, ReduceOp::Sum)?;
+                let k = values.len();
+                Compressed::new(len, Payload::RandomK { seed, step, values })
+                    .and_then(|sum| sum.decompress(grad))
+                    .map_err(codec_error)?;
+                self.all_reduce_sent(k, DType::F32)
+            }
+            other => unreachable!("sum-closed codec produced {}", other.kind_name()),
+        };
+        Ok((stats, CompressedPath::SumClosed, sent))
+    }
+
+    fn compressed_power(
+        &self,
+        grad: &mut [f32],
+        state: &mut GradientCompressor,
+    ) -> Result<(Stats, CompressedPath, u64), Error> {
+        let CodecSpec::PowerSgd { rank } = state.config.codec else {
+            unreachable!("PowerSGD only")
+        };
+        let len = grad.len();
+        let (rows, cols, r) = matrix_shape(len, None, rank);
+        // The residual, exactly as error feedback forms it: clipped gradient plus decayed error.
+        let grad_norm = l2_norm(grad);
+        let scale = clip_scale(state.config.clip_norm, grad_norm);
+        let decay = state.ef.decay;
+        let m = &mut state.ef.error;
+        for (e, &g) in m.iter_mut().zip(grad.iter()) {
+            let g = if scale == 1.0 { g } else { g * scale };
+            *e = if decay == 0.0 { g } else { g + decay * *e };
+        }
+        let residual_norm = l2_norm(m);
+        let q0 = match state.warm_q.take() {
+            Some(q) if q.len() == cols * r => q,
+            _ => initial_q(state.config.seed, state.step, cols, r),
+        };
+        let mut p = vec![0.0f32; rows * r];
+        multiply(m, cols, &q0, r, &mut p);
+        self.all_reduce_in_place(&mut p, ReduceOp::Sum)?;
+        let mut sent = self.all_reduce_sent(p.len(), DType::F32);
+        orthogonalize(&mut p, r, 0.0);
+        let mut q = q0;
+        multiply_transposed(m, cols, &p, r, &mut q);
+        let mut q_sum = q.clone();
+        self.all_reduce_in_place(&mut q_sum, ReduceOp::Sum)?;
+        sent += self.all_reduce_sent(q_sum.len(), DType::F32);
+        let shape = |p: Vec<f32>, q: Vec<f32>| {
+            Compressed::new(
+                len,
+                Payload::LowRank {
+                    rows: rows as u32,
+                    cols: cols as u32,
+                    rank: r as u32,
+                    p,
+                    q,
+                },
+            )
+            .map_err(codec_error)
+        };
+        // This rank's share of the approximation, P·(Mᵀ·P)ᵀ, is what leaves its error buffer.
+        let local = shape(p.clone(), q)?;
+        let wire_bytes = local.wire_bytes();
+        local.decompress(grad).map_err(codec_error)?;
+        for (e, &u) in m.iter_mut().zip(grad.iter()) {
+            *e -= u;
+        }
+        let error_norm = l2_norm(m);
+        let stats = stats_for(
+            &mut state.staleness,
+            grad,
+            (grad_norm, scale, residual_norm, error_norm),
+            wire_bytes,
+        );
+        shape(p, q_sum.clone())?
+            .decompress(grad)
+            .map_err(codec_error)?;
+        state.warm_q = Some(q_sum);
+        Ok((stats, CompressedPath::PowerIteration, sent))
+    }
+
+    fn compressed_sparse(
+        &self,
+        grad: &mut [f32],
+        state: &mut GradientCompressor,
+    ) -> Result<(Stats, CompressedPath, u64), Error> {
+        let (n, len) = (self.world_size(), grad.len());
+        let codec = state.codec.as_mut().expect("sparse codec");
+        let (c, stats) = state
+            .ef
+            .step(grad, &mut **codec, state.step)
+            .map_err(codec_error)?;
+        let nnz = match c.payload() {
+            Payload::Sparse { indices, .. } => indices.len(),
+            other => unreachable!("sparse codec produced {}", other.kind_name()),
+        };
+        let mut counts = vec![0u64; n];
+        self.all_gather(&[nnz as u64], &mut counts)?;
+        let mut sent = self.gather_sent(8);
+        if let Some(p) = counts.iter().position(|k| *k > len as u64) {
+            return Err(self.mismatch(
+                p,
+                state.step,
+                format!(
+                    "rank {p} sends {} non-zeros of a {len}-element tensor",
+                    counts[p]
+                ),
+            ));
+        }
+        let total: u64 = counts.iter().sum();
+        if total as f64 > state.config.dense_switch * len as f64 {
+            grad.copy_from_slice(state.ef.last_update());
+            self.all_reduce_in_place(grad, ReduceOp::Sum)?;
+            sent += self.all_reduce_sent(len, DType::F32);
+            return Ok((stats, CompressedPath::SparseDenseSwitch, sent));
+        }
+        let bytes = |k: u64| HEADER + 4 + 8 * k as usize;
+        let block = bytes(counts.iter().copied().max().unwrap_or(0));
+        let mut mine = c.encode();
+        mine.resize(block, 0);
+        let mut all = vec![0u8; n * block];
+        self.all_gather_bytes(&mine, &mut all, DType::U8)?;
+        sent += self.gather_sent(block);
+        grad.fill(0.0);
+        for (p, k) in counts.iter().enumerate() {
+            let part = &all[p * block..p * block + bytes(*k)];
+            let got = Compressed::decode_for(part, len).map_err(|e| {
+                self.mismatch(p, state.step, format!("rank {p}'s sparse update: {e}"))
+            })?;
+            if !matches!(got.payload(), Payload::Sparse { .. }) {
+                return Err(self.mismatch(
+                    p,
+                    state.step,
+                    format!(
+                        "rank {p} sent a {} tensor where sparse was expected",
+                        got.payload().kind_name()
+                    ),
+                ));
+            }
+            got.accumulate(grad).map_err(codec_error)?;
+        }
+        Ok((stats, CompressedPath::SparseAllGather, sent))
+    }
+
+    fn compressed_two_phase(
+        &self,
+        grad: &mut [f32],
+        state: &mut GradientCompressor,
+    ) -> Result<(Stats, CompressedPath, u64), Error> {
+        let (n, me, len) = (self.world_size(), self.rank(), grad.len());
+        let spec = state.config.codec;
+        let (block, kind) = match spec {
+            CodecSpec::Int8 { block, .. } => (block, "int8"),
+            CodecSpec::Sign { block } => (block, "sign"),
+            _ => unreachable!("two-phase codecs only"),
+        };
+        let codec = state.codec.as_mut().expect("two-phase codec");
+        let (c, stats) = state
+            .ef
+            .step(grad, &mut **codec, state.step)
+            .map_err(codec_error)?;
+        let parts = shards(len, block, n);
+        let slot = parts
+            .iter()
+            .map(|s| quant_bytes(spec, s.len()))
+            .max()
+            .unwrap_or(0);
+        // Phase 1: shard j of the compressed residual goes to rank j.
+        let mut send = vec![0u8; n * slot];
+        for (j, s) in parts.iter().enumerate() {
+            let e = slice_quant(&c, s).encode();
+            send[j * slot..j * slot + e.len()].copy_from_slice(&e);
+        }
+        let mut recv = vec![0u8; n * slot];
+        self.all_to_all_bytes(&send, &mut recv, DType::U8)?;
+        let mut sent = self.gather_sent(slot);
+        let step = state.step;
+        let decode = |bytes: &[u8], want: usize, p: usize| -> Result<Compressed, Error> {
+            let got = Compressed::decode_for(&bytes[..quant_bytes(spec, want)], want)
+                .map_err(|e| self.mismatch(p, step, format!("rank {p}'s {kind} shard: {e}")))?;
+            let ok = match got.payload() {
+                Payload::Int8 { block: b, .. } => kind == "int8" && *b as usize == block,
+                Payload::Sign { block: b, .. } => kind == "sign" && *b as usize == block,
+                _ => false,
+            };
+            if !ok {
+                return Err(self.mismatch(
+                    p,
+                    step,
+                    format!(
+                        "rank {p} sent a {} shard where {kind} with block {block} was expected",
+                        got.payload().kind_name()
+                    ),
+                ));
+            }
+            Ok(got)
+        };
+        // Reduce this rank's shard in f32, in rank order.
+        let own = parts[me].clone();
+        let mut sum = vec![0.0f32; own.len()];
+        for p in 0..n {
+            decode(&recv[p * slot..(p + 1) * slot], own.len(), p)?
+                .accumulate(&mut sum)
+                .map_err(codec_error)?;
+        }
+        // Re-compress it with the shard's own error buffer.
+        let stale = !matches!(&state.server, Some((w, r, _, ef)) if (*w, *r, ef.len()) == (n, me, own.len()));
+        if stale {
+            let server_codec =
+                build_codec(spec, shard_seed(state.config.seed, me))?.expect("two-phase codec");
+            let ef = GradientCompressor::error_feedback(&state.config, own.len(), None)?;
+            state.server = Some((n, me, server_codec, ef));
+        }
+        let (_, _, server_codec, server_ef) = state.server.as_mut().expect("just made");
+        let (shard, _) = server_ef
+            .step(&sum, &mut **server_codec, state.step)
+            .map_err(codec_error)?;
+        // Phase 2: every rank gets every compressed shard and decodes the same bytes.
+        let mut mine = shard.encode();
+        mine.resize(slot, 0);
+        let mut all = vec![0u8; n * slot];
+        self.all_gather_bytes(&mine, &mut all, DType::U8)?;
+        sent += self.gather_sent(slot);
+        for (p, s) in parts.iter().enumerate() {
+            decode(&all[p * slot..(p + 1) * slot], s.len(), p)?
+                .decompress(&mut grad[s.clone()])
+                .map_err(codec_error)?;
+        }
+        Ok((stats, CompressedPath::TwoPhase, sent))
+    }
+}

@@ -1,0 +1,584 @@
+//! The compressed all-reduce checks every rank runs, shared by the in-process tests (ranks as threads)
+//! and the multi-process harness of `braid-cli`. Each function is called on every rank of a communicator
+//! and panics with a message naming the case when a check fails; it returns the number of checks made.
+#![allow(dead_code)]
+
+use braid::braid_compress::{l2_norm, Codec, ErrorFeedback, ThresholdTopK, TopK};
+use braid::{
+    CodecSpec, Communicator, CompressedPath, CompressionConfig, DType, GradientCompressor, ReduceOp,
+};
+
+/// Elements per tensor: odd, and not a multiple of any block size used below.
+pub const LEN: usize = 3001;
+/// Compressed all-reduces per case.
+pub const STEPS: u64 = 3;
+const SEED: u64 = 7;
+
+fn mix(rank: usize, step: u64, i: usize) -> u64 {
+    let mut z = (rank as u64) << 48 ^ step << 32 ^ i as u64;
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A gradient with a heavy tail: most values in (−1, 1), one in sixteen eight times larger.
+pub fn gradient(rank: usize, step: u64, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| {
+            let h = mix(rank, step, i);
+            let u = (h >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+            if h & 15 == 0 {
+                u * 8.0
+            } else {
+                u
+            }
+        })
+        .collect()
+}
+
+/// Small integers, whose sums are exact in any order.
+pub fn integer_gradient(rank: usize, step: u64, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| (mix(rank, step, i) % 9) as f32 - 4.0)
+        .collect()
+}
+
+fn fnv(v: &[f32]) -> u64 {
+    v.iter()
+        .flat_map(|x| x.to_bits().to_le_bytes())
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, x| {
+            (h ^ x as u64).wrapping_mul(0x0100_0000_01b3)
+        })
+}
+
+/// Every rank's hash of `v` must be the same bits.
+pub fn assert_identical(c: &Communicator, v: &[f32], what: &str) {
+    let mut all = vec![0u64; c.world_size()];
+    c.all_gather(&[fnv(v)], &mut all).unwrap();
+    assert!(
+        all.iter().all(|h| *h == all[0]),
+        "{what}: ranks disagree bitwise: {all:x?}"
+    );
+}
+
+/// Every rank's `v` (same length everywhere), in rank order.
+fn gather(c: &Communicator, v: &[f32]) -> Vec<Vec<f32>> {
+    let mut all = vec![0.0f32; v.len() * c.world_size()];
+    c.all_gather(v, &mut all).unwrap();
+    all.chunks(v.len().max(1))
+        .map(|s| s.to_vec())
+        .take(c.world_size())
+        .collect()
+}
+
+/// Every rank's `v` of any length, concatenated in rank order.
+fn gather_concat(c: &Communicator, v: &[f32]) -> Vec<f32> {
+    let mut lens = vec![0u64; c.world_size()];
+    c.all_gather(&[v.len() as u64], &mut lens).unwrap();
+    let max = *lens.iter().max().unwrap() as usize;
+    let mut mine = v.to_vec();
+    mine.resize(max, 0.0);
+    let mut all = vec![0.0f32; max * c.world_size()];
+    c.all_gather(&mine, &mut all).unwrap();
+    lens.iter()
+        .enumerate()
+        .flat_map(|(p, l)| all[p * max..p * max + *l as usize].to_vec())
+        .collect()
+}
+
+/// The sum of `parts` in order, starting from 0, in f32: what a rank-ordered reduction computes.
+fn ordered_sum(parts: &[Vec<f32>]) -> Vec<f32> {
+    let mut out = vec![0.0f32; parts[0].len()];
+    for p in parts {
+        out.iter_mut().zip(p).for_each(|(o, x)| *o += x);
+    }
+    out
+}
+
+fn config(codec: CodecSpec) -> CompressionConfig {
+    CompressionConfig {
+        codec,
+        seed: SEED,
+        ..CompressionConfig::default()
+    }
+}
+
+/// The configurations every test runs: each codec, some at edge parameters.
+pub fn cases() -> Vec<CompressionConfig> {
+    let mut v: Vec<CompressionConfig> = [
+        CodecSpec::Dense,
+        CodecSpec::TopK { density: 0.1 },
+        CodecSpec::TopK { density: 0.3 },
+        CodecSpec::TopK { density: 1.0 },
+        CodecSpec::ThresholdTopK { density: 0.05 },
+        CodecSpec::RandomK { density: 0.25 },
+        CodecSpec::Int8 {
+            block: 256,
+            stochastic: false,
+        },
+        CodecSpec::Int8 {
+            block: 100,
+            stochastic: true,
+        },
+        CodecSpec::Sign { block: 64 },
+        CodecSpec::Sign { block: 1000 },
+        CodecSpec::Fp16,
+        CodecSpec::Bf16,
+        CodecSpec::PowerSgd { rank: 2 },
+    ]
+    .into_iter()
+    .map(config)
+    .collect();
+    // Density 1 with the switch off: the sparse all-gather of everything.
+    v.push(CompressionConfig {
+        dense_switch: f64::INFINITY,
+        ..config(CodecSpec::TopK { density: 1.0 })
+    });
+    v
+}
+
+/// The sum of `k` elements per rank exceeds the switch.
+fn switches(cfg: &CompressionConfig, world: usize, k: usize) -> bool {
+    (world * k) as f64 > cfg.dense_switch * LEN as f64
+}
+
+/// Every case, both ops, [`STEPS`] calls each: results bit-identical on every rank, Avg equal to Sum
+/// divided by the world size, the paths expected, exact results where they must be exact, and error
+/// feedback telescoping (sum of results plus every error buffer equals the sum of the gradients).
+pub fn every_codec(c: &Communicator) -> usize {
+    let (n, rank) = (c.world_size(), c.rank());
+    let mut checks = 0;
+    for cfg in cases() {
+        let spec = cfg.codec;
+        let what = format!("{spec} (dense switch {})", cfg.dense_switch);
+        let mut sum_state = GradientCompressor::new(cfg.clone(), LEN).unwrap();
+        let mut avg_state = GradientCompressor::new(cfg.clone(), LEN).unwrap();
+        let exact_inputs = cfg.dense_switch.is_infinite();
+        let mut applied = vec![0.0f64; LEN];
+        let mut given = vec![0.0f64; LEN];
+        let mut magnitude = vec![0.0f64; LEN];
+        for t in 0..STEPS {
+            let what = format!("{what} step {t} on {n} ranks");
+            let g = if exact_inputs {
+                integer_gradient(rank, t, LEN)
+            } else {
+                gradient(rank, t, LEN)
+            };
+            let mut x = g.clone();
+            let rep = c
+                .all_reduce_compressed(&mut x, ReduceOp::Sum, &mut sum_state)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let mut y = g.clone();
+            let avg = c
+                .all_reduce_compressed(&mut y, ReduceOp::Avg, &mut avg_state)
+                .unwrap_or_else(|e| panic!("{what} (avg): {e}"));
+            assert_identical(c, &x, &what);
+            assert_identical(c, &y, &format!("{what} (avg)"));
+            assert_eq!(
+                rep.path, avg.path,
+                "{what}: sum and avg took different paths"
+            );
+            assert_eq!(sum_state.step(), t + 1, "{what}");
+            checks += 2;
+
+            // The report.
+            assert_eq!(rep.stats.len, LEN, "{what}");
+            assert_eq!(rep.stats.grad_norm, l2_norm(&g), "{what}: gradient norm");
+            assert_eq!(
+                rep.dense_sent_bytes,
+                (2 * (n as u64 - 1) * 4 * LEN as u64) / n as u64,
+                "{what}"
+            );
+            assert!(
+                rep.stats.compression_error >= 0.0 && rep.stats.compression_error <= 1.5,
+                "{what}: compression error {}",
+                rep.stats.compression_error
+            );
+            // Codecs that cut the volume by much more than their path's overhead send less than a dense
+            // ring. (Casts and random-k ride an all-reduce whose algorithm, for tensors this small, may
+            // be the direct one, which sends more than a ring.)
+            let saves = match spec {
+                CodecSpec::TopK { density } | CodecSpec::ThresholdTopK { density } => {
+                    density <= 0.1 && rep.path == CompressedPath::SparseAllGather
+                }
+                CodecSpec::Int8 { .. } | CodecSpec::Sign { .. } | CodecSpec::PowerSgd { .. } => {
+                    true
+                }
+                _ => false,
+            };
+            if n > 1 && saves {
+                assert!(
+                    rep.sent_bytes < rep.dense_sent_bytes,
+                    "{what}: sent {} bytes, dense would send {}",
+                    rep.sent_bytes,
+                    rep.dense_sent_bytes
+                );
+            }
+            if n > 1 {
+                assert!(rep.sent_bytes > 0, "{what}: nothing sent");
+            }
+
+            // The path.
+            let want = match spec {
+                CodecSpec::Dense => Some(CompressedPath::Dense),
+                CodecSpec::TopK { density } => {
+                    let k = ((density as f64 * LEN as f64).round() as usize).clamp(1, LEN);
+                    Some(if switches(&cfg, n, k) {
+                        CompressedPath::SparseDenseSwitch
+                    } else {
+                        CompressedPath::SparseAllGather
+                    })
+                }
+                CodecSpec::ThresholdTopK { .. } => None,
+                CodecSpec::RandomK { .. } | CodecSpec::Fp16 | CodecSpec::Bf16 => {
+                    Some(CompressedPath::SumClosed)
+                }
+                CodecSpec::Int8 { .. } | CodecSpec::Sign { .. } => Some(CompressedPath::TwoPhase),
+                CodecSpec::PowerSgd { .. } => Some(CompressedPath::PowerIteration),
+            };
+            match want {
+                Some(p) => assert_eq!(rep.path, p, "{what}"),
+                None => assert!(
+                    matches!(
+                        rep.path,
+                        CompressedPath::SparseAllGather | CompressedPath::SparseDenseSwitch
+                    ),
+                    "{what}: {:?}",
+                    rep.path
+                ),
+            }
+            checks += 1;
+
+            // Avg is the sum divided by the world size (dense: the plain all-reduce's avg, below).
+            if spec != CodecSpec::Dense {
+                let want: Vec<f32> = x.iter().map(|v| v / n as f32).collect();
+                assert!(
+                    y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: avg is not sum / {n}"
+                );
+                checks += 1;
+            }
+
+            // Exactness.
+            if spec == CodecSpec::Dense {
+                let mut d = vec![0.0f32; LEN];
+                c.all_reduce(&g, &mut d, ReduceOp::Sum).unwrap();
+                assert!(x == d, "{what}: dense differs from all_reduce");
+                c.all_reduce(&g, &mut d, ReduceOp::Avg).unwrap();
+                assert!(y == d, "{what}: dense avg differs from all_reduce avg");
+                checks += 2;
+            }
+            if t == 0 {
+                // Before any error accumulates, each rank's update is its codec applied to its gradient,
+                // computed here independently of the collective.
+                let local: Option<Vec<f32>> = match spec {
+                    CodecSpec::TopK { density } => {
+                        Some(local_update(&g, &mut TopK::new(density).unwrap()))
+                    }
+                    CodecSpec::ThresholdTopK { density } => Some(local_update(
+                        &g,
+                        &mut ThresholdTopK::new(density, SEED).unwrap(),
+                    )),
+                    _ => None,
+                };
+                if let Some(u) = local {
+                    let want = if rep.path == CompressedPath::SparseAllGather {
+                        ordered_sum(&gather(c, &u))
+                    } else {
+                        let mut d = vec![0.0f32; LEN];
+                        c.all_reduce(&u, &mut d, ReduceOp::Sum).unwrap();
+                        d
+                    };
+                    assert!(
+                        x == want,
+                        "{what}: differs from the sum of the local updates"
+                    );
+                    checks += 1;
+                }
+                if spec == (CodecSpec::TopK { density: 1.0 }) {
+                    // Everything is sent: the result is the exact dense sum (integers when gathered,
+                    // the very same all-reduce when switched).
+                    let mut d = vec![0.0f32; LEN];
+                    c.all_reduce(&g, &mut d, ReduceOp::Sum).unwrap();
+                    assert!(
+                        x == d,
+                        "{what}: top-k at density 1 differs from the dense sum"
+                    );
+                    checks += 1;
+                }
+            }
+
+            // Telescoping bookkeeping, in f64.
+            for r in gather(c, &g) {
+                for (j, v) in r.iter().enumerate() {
+                    given[j] += *v as f64;
+                    magnitude[j] += v.abs() as f64;
+                }
+            }
+            for (a, v) in applied.iter_mut().zip(&x) {
+                *a += *v as f64;
+            }
+        }
+        if spec != CodecSpec::Dense {
+            // Sum of results + every rank's error buffers = sum of gradients.
+            let mut left = vec![0.0f64; LEN];
+            for e in gather(c, sum_state.error()) {
+                left.iter_mut().zip(&e).for_each(|(l, v)| *l += *v as f64);
+            }
+            if matches!(spec, CodecSpec::Int8 { .. } | CodecSpec::Sign { .. }) {
+                let shards = gather_concat(c, sum_state.shard_error());
+                assert_eq!(
+                    shards.len(),
+                    LEN,
+                    "{what}: shard errors do not tile the tensor"
+                );
+                left.iter_mut()
+                    .zip(&shards)
+                    .for_each(|(l, v)| *l += *v as f64);
+            }
+            // fp16/bf16 round the sum once more, outside error feedback.
+            let rel = match spec {
+                CodecSpec::Fp16 => 2e-3,
+                CodecSpec::Bf16 => 1e-2,
+                _ => 1e-4,
+            };
+            for j in 0..LEN {
+                let diff = (applied[j] + left[j] - given[j]).abs();
+                assert!(
+                    diff <= rel * (magnitude[j] + 1.0),
+                    "{what}: error feedback does not telescope at {j}: results {} + errors {} vs gradients {}",
+                    applied[j],
+                    left[j],
+                    given[j]
+                );
+            }
+            checks += 1;
+        }
+    }
+    checks
+}
+
+fn local_update(g: &[f32], codec: &mut dyn Codec) -> Vec<f32> {
+    let mut ef = ErrorFeedback::new(g.len());
+    ef.step(g, codec, 0).unwrap();
+    ef.last_update().to_vec()
+}
+
+/// Bad input is rejected without effect, the communicator stays usable; clipping, warnings and reset.
+pub fn bad_input_clip_warnings_reset(c: &Communicator) -> usize {
+    let n = c.world_size();
+    let mut checks = 0;
+    let mut st = GradientCompressor::new(config(CodecSpec::TopK { density: 0.1 }), LEN).unwrap();
+    let mut g = gradient(c.rank(), 0, LEN - 1);
+    let before = g.clone();
+    let e = c
+        .all_reduce_compressed(&mut g, ReduceOp::Sum, &mut st)
+        .unwrap_err();
+    assert!(
+        e.is_invalid_argument()
+            && e.to_string().contains("3000 elements")
+            && e.to_string().contains("3001"),
+        "{e}"
+    );
+    assert!(g == before && st.step() == 0 && st.error().iter().all(|v| *v == 0.0));
+    let mut g = gradient(c.rank(), 0, LEN);
+    let before = g.clone();
+    let e = c
+        .all_reduce_compressed(&mut g, ReduceOp::Max, &mut st)
+        .unwrap_err();
+    assert!(
+        e.is_invalid_argument() && e.to_string().contains("sum or avg"),
+        "{e}"
+    );
+    assert!(g == before && st.step() == 0);
+    assert!(c.async_error().is_none());
+    checks += 2;
+
+    // Still usable; then reset clears the error buffer.
+    c.all_reduce_compressed(&mut g, ReduceOp::Sum, &mut st)
+        .unwrap();
+    assert!(st.error().iter().any(|v| *v != 0.0));
+    st.reset();
+    assert!(st.error().iter().all(|v| *v == 0.0) && st.step() == 1);
+    checks += 1;
+
+    // Clipping before compression.
+    let clip = 5.0f32;
+    let mut st = GradientCompressor::new(
+        CompressionConfig {
+            clip_norm: Some(clip),
+            ..config(CodecSpec::Int8 {
+                block: 256,
+                stochastic: false,
+            })
+        },
+        LEN,
+    )
+    .unwrap();
+    let g = gradient(c.rank(), 1, LEN);
+    let norm = l2_norm(&g);
+    assert!(norm > clip as f64);
+    let mut x = g.clone();
+    let rep = c
+        .all_reduce_compressed(&mut x, ReduceOp::Sum, &mut st)
+        .unwrap();
+    assert_eq!(rep.stats.clip_scale, (clip as f64 / norm) as f32);
+    assert!((rep.stats.residual_norm - clip as f64).abs() < 1e-3);
+    assert!(
+        l2_norm(&x) <= n as f64 * clip as f64 * 1.05,
+        "clipped sum too large"
+    );
+    assert_identical(c, &x, "clipped int8");
+    checks += 2;
+
+    // Warnings: below 1% density with an adaptive optimizer, not without one.
+    for adaptive in [false, true] {
+        let mut st = GradientCompressor::new(
+            CompressionConfig {
+                adaptive_optimizer: adaptive,
+                ..config(CodecSpec::TopK { density: 0.005 })
+            },
+            LEN,
+        )
+        .unwrap();
+        let mut x = gradient(c.rank(), 2, LEN);
+        let rep = c
+            .all_reduce_compressed(&mut x, ReduceOp::Avg, &mut st)
+            .unwrap();
+        assert!(rep.stats.density < 0.01);
+        assert_eq!(!rep.warnings.is_empty(), adaptive, "{:?}", rep.warnings);
+        if adaptive {
+            assert!(
+                rep.warnings[0].contains("adaptive optimizer"),
+                "{:?}",
+                rep.warnings
+            );
+        }
+        assert_eq!(st.last_stats().map(|s| s.density), Some(rep.stats.density));
+        checks += 1;
+    }
+    checks
+}
+
+/// All-to-all on real buffers: every dtype size, block sizes around the slot size, and bad lengths.
+pub fn all_to_all(c: &Communicator) -> usize {
+    let (n, rank) = (c.world_size(), c.rank());
+    let mut checks = 0;
+    let slot = c.config().chunk_bytes;
+    for block in [0usize, 1, 7, slot / 8 + 3, 3 * slot / 8] {
+        let send: Vec<u64> = (0..n * block)
+            .map(|i| ((rank as u64) << 40) | i as u64)
+            .collect();
+        let mut recv = vec![u64::MAX; n * block];
+        c.all_to_all(&send, &mut recv).unwrap();
+        for p in 0..n {
+            for j in 0..block {
+                assert_eq!(
+                    recv[p * block + j],
+                    ((p as u64) << 40) | (rank * block + j) as u64,
+                    "all_to_all block {block}: from rank {p}, element {j}"
+                );
+            }
+        }
+        checks += 1;
+    }
+    // Bytes with an element size that does not divide a slot evenly.
+    let block = 1001;
+    let send: Vec<u8> = (0..n * block * 2).map(|i| (i + rank * 31) as u8).collect();
+    let mut recv = vec![0u8; send.len()];
+    c.all_to_all_bytes(&send, &mut recv, DType::F16).unwrap();
+    for p in 0..n {
+        for j in 0..block * 2 {
+            assert_eq!(
+                recv[p * block * 2 + j],
+                (rank * block * 2 + j + p * 31) as u8
+            );
+        }
+    }
+    checks += 1;
+    // Bad lengths change nothing.
+    if n > 1 {
+        let send = vec![1u32; n * 4 + 1];
+        let mut recv = vec![9u32; n * 4 + 1];
+        let e = c.all_to_all(&send, &mut recv).unwrap_err();
+        assert!(
+            e.is_invalid_argument() && e.to_string().contains("equal blocks"),
+            "{e}"
+        );
+        assert!(recv.iter().all(|v| *v == 9));
+    }
+    let send = vec![1u32; n * 4];
+    let mut recv = vec![9u32; n * 5];
+    let e = c.all_to_all(&send, &mut recv).unwrap_err();
+    assert!(
+        e.is_invalid_argument() && e.to_string().contains("receive buffer"),
+        "{e}"
+    );
+    assert!(recv.iter().all(|v| *v == 9));
+    let mut odd = vec![0u8; n * 4];
+    let e = c
+        .all_to_all_bytes(&[0u8; 3], &mut odd, DType::F32)
+        .unwrap_err();
+    assert!(e.to_string().contains("whole number"), "{e}");
+    assert!(c.async_error().is_none());
+    checks + 1
+}
+
+/// Tensors shorter than the world, a block or a matrix row, and empty ones: every codec still gives
+/// bit-identical results, dense is exact, and one step's results plus errors equal the gradients' sum.
+pub fn tiny_tensors(c: &Communicator) -> usize {
+    let mut checks = 0;
+    for len in [0usize, 1, 2, 5, 17] {
+        for cfg in cases() {
+            let spec = cfg.codec;
+            let what = format!("{spec} on {len} elements, {} ranks", c.world_size());
+            let mut st = GradientCompressor::new(cfg, len).unwrap();
+            let g = gradient(c.rank(), 0, len);
+            let mut x = g.clone();
+            let rep = c
+                .all_reduce_compressed(&mut x, ReduceOp::Sum, &mut st)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!((rep.stats.len, st.step()), (len, 1), "{what}");
+            assert_identical(c, &x, &what);
+            if spec == CodecSpec::Dense {
+                let mut d = vec![0.0f32; len];
+                c.all_reduce(&g, &mut d, ReduceOp::Sum).unwrap();
+                assert!(x == d, "{what}: dense differs from all_reduce");
+            } else if len > 0 {
+                let mut left: Vec<f64> = x.iter().map(|v| *v as f64).collect();
+                let mut e = vec![0.0f32; len];
+                c.all_reduce(st.error(), &mut e, ReduceOp::Sum).unwrap();
+                left.iter_mut().zip(&e).for_each(|(l, v)| *l += *v as f64);
+                let shards = gather_concat(c, st.shard_error());
+                if !shards.is_empty() {
+                    assert_eq!(
+                        shards.len(),
+                        len,
+                        "{what}: shard errors do not tile the tensor"
+                    );
+                    left.iter_mut()
+                        .zip(&shards)
+                        .for_each(|(l, v)| *l += *v as f64);
+                }
+                let rel = match spec {
+                    CodecSpec::Fp16 => 2e-3,
+                    CodecSpec::Bf16 => 1e-2,
+                    _ => 1e-4,
+                };
+                let all = gather(c, &g);
+                for j in 0..len {
+                    let want: f64 = all.iter().map(|r| r[j] as f64).sum();
+                    let mag: f64 = all.iter().map(|r| r[j].abs() as f64).sum();
+                    assert!(
+                        (left[j] - want).abs() <= rel * (mag + 1.0),
+                        "{what}: results plus errors {} differ from the gradients' sum {want} at {j}",
+                        left[j]
+                    );
+                }
+            }
+            checks += 1;
+        }
+    }
+    checks
+}

@@ -1,0 +1,326 @@
+//! Compressed all-reduce and all-to-all with ranks as threads of one process, and the configuration's
+//! parsing: codec text, environment variables, validation.
+
+#[path = "compress_scenario/mod.rs"]
+mod scenario;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use braid::{
+    CodecSpec, Communicator, CompressionConfig, Config, Error, GradientCompressor, UniqueId,
+};
+use proptest::prelude::*;
+
+/// Runs `f` on `n` ranks, each a thread with its own communicator.
+fn with_ranks<R: Send + 'static>(
+    n: usize,
+    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let id = UniqueId::new().unwrap();
+    let cfg = Config {
+        timeout: Duration::from_secs(60),
+        debug_checks: true,
+        ..Config::default()
+    };
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|r| {
+            let (id, cfg, f) = (id.clone(), cfg.clone(), f.clone());
+            std::thread::spawn(move || f(Communicator::init(n, r, &id, cfg).expect("init")))
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread"))
+        .collect()
+}
+
+#[test]
+fn every_codec_on_one_two_and_three_ranks() {
+    for n in 1..=3 {
+        let checks = with_ranks(n, |c| scenario::every_codec(&c));
+        assert!(
+            checks.iter().all(|k| *k == checks[0] && *k > 50),
+            "{checks:?}"
+        );
+    }
+}
+
+#[test]
+fn tiny_and_empty_tensors() {
+    for n in [1, 3, 4] {
+        let checks = with_ranks(n, |c| scenario::tiny_tensors(&c));
+        assert!(
+            checks.iter().all(|k| *k == 5 * scenario::cases().len()),
+            "{checks:?}"
+        );
+    }
+}
+
+#[test]
+fn bad_input_clipping_warnings_and_reset() {
+    for n in [1, 2] {
+        let checks = with_ranks(n, |c| scenario::bad_input_clip_warnings_reset(&c));
+        assert!(checks.iter().all(|k| *k == 7), "{checks:?}");
+    }
+}
+
+#[test]
+fn all_to_all_on_threads() {
+    for n in [1, 2, 3] {
+        let checks = with_ranks(n, |c| scenario::all_to_all(&c));
+        assert!(checks.iter().all(|k| *k == 7), "{checks:?}");
+    }
+}
+
+#[test]
+fn ranks_with_different_configurations_are_told_under_debug_checks() {
+    let errs = with_ranks(2, |c| {
+        let density = if c.rank() == 0 { 0.1 } else { 0.2 };
+        let cfg = CompressionConfig {
+            codec: CodecSpec::TopK { density },
+            ..CompressionConfig::default()
+        };
+        let mut st = GradientCompressor::new(cfg, 100).unwrap();
+        let mut g = vec![1.0f32; 100];
+        c.all_reduce_compressed(&mut g, braid::ReduceOp::Sum, &mut st)
+            .unwrap_err()
+    });
+    for (r, e) in errs.iter().enumerate() {
+        assert!(
+            matches!(e, Error::Mismatch { peer, .. } if *peer == 1 - r),
+            "rank {r}: {e}"
+        );
+        assert!(e.to_string().contains("topk:"), "{e}");
+    }
+}
+
+#[test]
+fn codec_text_forms() {
+    let ok = [
+        ("none", CodecSpec::Dense),
+        ("dense", CodecSpec::Dense),
+        (" TopK:0.1 ", CodecSpec::TopK { density: 0.1 }),
+        ("topk", CodecSpec::TopK { density: 0.1 }),
+        (
+            "threshold-topk:0.01",
+            CodecSpec::ThresholdTopK { density: 0.01 },
+        ),
+        ("randomk:0.1", CodecSpec::RandomK { density: 0.1 }),
+        (
+            "int8",
+            CodecSpec::Int8 {
+                block: 256,
+                stochastic: false,
+            },
+        ),
+        (
+            "int8:1024",
+            CodecSpec::Int8 {
+                block: 1024,
+                stochastic: false,
+            },
+        ),
+        (
+            "int8-stochastic",
+            CodecSpec::Int8 {
+                block: 256,
+                stochastic: true,
+            },
+        ),
+        ("sign", CodecSpec::Sign { block: 256 }),
+        ("sign:1024", CodecSpec::Sign { block: 1024 }),
+        ("fp16", CodecSpec::Fp16),
+        ("bf16", CodecSpec::Bf16),
+        ("powersgd:4", CodecSpec::PowerSgd { rank: 4 }),
+    ];
+    for (text, want) in ok {
+        assert_eq!(text.parse::<CodecSpec>().unwrap(), want, "{text}");
+    }
+    let bad = [
+        ("topk:0", "density 0"),
+        ("topk:1.5", "(0, 1]"),
+        ("topk:abc", "\"abc\" is not a number"),
+        ("randomk:nan", "(0, 1]"),
+        ("int8:0", "block size"),
+        ("sign:-3", "block size"),
+        ("powersgd:0", "rank"),
+        ("fp16:2", "takes no parameter"),
+        ("zstd", "unknown codec"),
+        ("", "unknown codec"),
+    ];
+    for (text, why) in bad {
+        let e = text.parse::<CodecSpec>().unwrap_err();
+        let m = e.to_string();
+        assert!(e.is_invalid_argument(), "{text}: {m}");
+        assert!(m.contains(&format!("{text:?}")), "{text}: {m}");
+        assert!(m.contains(why), "{text}: {m}");
+        assert!(
+            m.contains("threshold-topk:D") && m.contains("powersgd:R"),
+            "{m}"
+        );
+    }
+}
+
+fn specs() -> impl Strategy<Value = CodecSpec> {
+    let density = prop_oneof![
+        Just(1.0f32),
+        Just(0.1f32),
+        (1u32..=u32::MAX).prop_map(|b| (b as f64 / u32::MAX as f64) as f32)
+    ]
+    .prop_filter("in (0, 1]", |d| *d > 0.0 && *d <= 1.0);
+    let block = prop_oneof![Just(1usize), Just(256), 1usize..=u32::MAX as usize];
+    prop_oneof![
+        Just(CodecSpec::Dense),
+        density
+            .clone()
+            .prop_map(|density| CodecSpec::TopK { density }),
+        density
+            .clone()
+            .prop_map(|density| CodecSpec::ThresholdTopK { density }),
+        density.prop_map(|density| CodecSpec::RandomK { density }),
+        (block.clone(), any::<bool>())
+            .prop_map(|(block, stochastic)| CodecSpec::Int8 { block, stochastic }),
+        block.prop_map(|block| CodecSpec::Sign { block }),
+        Just(CodecSpec::Fp16),
+        Just(CodecSpec::Bf16),
+        (1usize..=u32::MAX as usize).prop_map(|rank| CodecSpec::PowerSgd { rank }),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn codec_text_round_trips(spec in specs()) {
+        let text = spec.to_string();
+        prop_assert_eq!(text.parse::<CodecSpec>().unwrap(), spec);
+        prop_assert!(spec.validate().is_ok());
+    }
+}
+
+fn lookup<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+    move |k| {
+        pairs
+            .iter()
+            .find(|(n, _)| *n == k)
+            .map(|(_, v)| v.to_string())
+    }
+}
+
+#[test]
+fn configuration_from_the_environment() {
+    let d = CompressionConfig::from_lookup(lookup(&[])).unwrap();
+    assert_eq!(d.codec, CodecSpec::TopK { density: 0.1 });
+    assert!(d.error_feedback && d.decay.is_none() && d.clip_norm.is_none());
+    assert_eq!(
+        (d.dense_switch, d.seed, d.adaptive_optimizer),
+        (0.5, 0, false)
+    );
+    let c = CompressionConfig::from_lookup(lookup(&[
+        ("BRAID_COMPRESS", "int8-stochastic:128"),
+        ("BRAID_COMPRESS_EF", "0"),
+        ("BRAID_COMPRESS_CLIP", "2.5"),
+        ("BRAID_COMPRESS_DECAY", "0.9"),
+        ("BRAID_COMPRESS_DENSE_SWITCH", "0.25"),
+    ]))
+    .unwrap();
+    assert_eq!(
+        c.codec,
+        CodecSpec::Int8 {
+            block: 128,
+            stochastic: true
+        }
+    );
+    assert!(!c.error_feedback);
+    assert_eq!(
+        (c.clip_norm, c.decay, c.dense_switch),
+        (Some(2.5), Some(0.9), 0.25)
+    );
+    let c = CompressionConfig::from_lookup(lookup(&[("BRAID_COMPRESS_CLIP", "none")])).unwrap();
+    assert_eq!(c.clip_norm, None);
+    for (var, value) in [
+        ("BRAID_COMPRESS", "topk:2"),
+        ("BRAID_COMPRESS", "gzip"),
+        ("BRAID_COMPRESS_EF", "maybe"),
+        ("BRAID_COMPRESS_CLIP", "-1"),
+        ("BRAID_COMPRESS_CLIP", "inf"),
+        ("BRAID_COMPRESS_DECAY", "1.5"),
+        ("BRAID_COMPRESS_DECAY", "x"),
+        ("BRAID_COMPRESS_DENSE_SWITCH", "-0.1"),
+        ("BRAID_COMPRESS_DENSE_SWITCH", "NaN"),
+    ] {
+        let e = CompressionConfig::from_lookup(lookup(&[(var, value)])).unwrap_err();
+        assert!(e.is_invalid_argument(), "{var}={value}: {e}");
+        assert!(
+            e.to_string().contains(&format!("{var}=")) && e.to_string().contains(value),
+            "{var}={value}: {e}"
+        );
+    }
+}
+
+#[test]
+fn invalid_configurations_are_refused_with_the_reason() {
+    let base = CompressionConfig::default();
+    let cases = [
+        (
+            CompressionConfig {
+                codec: CodecSpec::TopK { density: 0.0 },
+                ..base.clone()
+            },
+            "density 0",
+        ),
+        (
+            CompressionConfig {
+                codec: CodecSpec::RandomK { density: f32::NAN },
+                ..base.clone()
+            },
+            "density NaN",
+        ),
+        (
+            CompressionConfig {
+                codec: CodecSpec::Sign { block: 0 },
+                ..base.clone()
+            },
+            "block size 0",
+        ),
+        (
+            CompressionConfig {
+                codec: CodecSpec::PowerSgd { rank: 0 },
+                ..base.clone()
+            },
+            "rank 0",
+        ),
+        (
+            CompressionConfig {
+                decay: Some(1.5),
+                ..base.clone()
+            },
+            "decay 1.5",
+        ),
+        (
+            CompressionConfig {
+                clip_norm: Some(-1.0),
+                ..base.clone()
+            },
+            "clip norm -1",
+        ),
+        (
+            CompressionConfig {
+                dense_switch: f64::NAN,
+                ..base.clone()
+            },
+            "dense switch NaN",
+        ),
+    ];
+    for (cfg, why) in cases {
+        let e = GradientCompressor::new(cfg.clone(), 10).unwrap_err();
+        assert!(
+            e.is_invalid_argument() && e.to_string().contains(why),
+            "{cfg:?}: {e}"
+        );
+    }
+    let st = GradientCompressor::new(base.clone(), 10).unwrap();
+    assert_eq!((st.len(), st.step()), (10, 0));
+    assert_eq!(st.config().codec, base.codec);
+    assert!(st.last_stats().is_none() && st.shard_error().is_empty());
+}

@@ -1,0 +1,660 @@
+"""braid for Python: collective communication over braid's C ABI (``libbraid.so``), through ctypes.
+
+Nothing is compiled at install time. The library is found through ``BRAID_LIBRARY`` (a path to
+``libbraid.so``), next to this package, in ``target/release`` or ``target/debug`` of the source tree this
+package sits in, or on the system's library path.
+
+    import numpy as np
+    import braid
+
+    with braid.Communicator.from_env() as comm:     # under `braid run -n 4 -- python3 train.py`
+        grads = np.ones(1 << 20, dtype=np.float32)
+        comm.all_reduce(grads, op="avg")              # in place
+        total = comm.all_reduce(grads, out=np.empty_like(grads))   # out of place
+
+Arrays must be C-contiguous numpy arrays (a receive array also writeable). Every failure raises a
+subclass of :class:`BraidError` chosen by braid's result code, carrying braid's message.
+"""
+
+import ctypes
+import ctypes.util
+import os
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "Communicator",
+    "UniqueId",
+    "Work",
+    "Compressor",
+    "BraidError",
+    "InvalidArgumentError",
+    "BraidTimeoutError",
+    "PeerFailedError",
+    "AbortedError",
+    "MismatchError",
+    "BootstrapError",
+    "BraidIOError",
+    "PoisonedError",
+    "InternalError",
+    "version",
+    "library_path",
+]
+
+# ---------------------------------------------------------------------------------------------------
+# Errors, one class per result code.
+
+
+class BraidError(RuntimeError):
+    """A braid call failed. ``code`` is the braid_result, ``message`` braid's explanation."""
+
+    code = None
+
+    def __init__(self, message, code=None):
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class InvalidArgumentError(BraidError, ValueError):
+    """An argument was rejected before anything happened; the communicator is still usable."""
+
+    code = 1
+
+
+class BraidTimeoutError(BraidError, TimeoutError):
+    """A wait passed its deadline; the communicator is unusable."""
+
+    code = 2
+
+
+class PeerFailedError(BraidError):
+    """A peer died, aborted or reported an error; the communicator is unusable."""
+
+    code = 3
+
+
+class AbortedError(BraidError):
+    """The communicator was aborted."""
+
+    code = 4
+
+
+class MismatchError(BraidError):
+    """Ranks called different collectives (found with debug checks)."""
+
+    code = 5
+
+
+class BootstrapError(BraidError):
+    """Creating the communicator failed."""
+
+    code = 6
+
+
+class BraidIOError(BraidError, OSError):
+    """An operating-system call failed."""
+
+    code = 7
+
+
+class PoisonedError(BraidError):
+    """An earlier error left the communicator unusable."""
+
+    code = 8
+
+
+class InternalError(BraidError):
+    """A bug in braid."""
+
+    code = 9
+
+
+_ERRORS = {
+    cls.code: cls
+    for cls in (
+        InvalidArgumentError,
+        BraidTimeoutError,
+        PeerFailedError,
+        AbortedError,
+        MismatchError,
+        BootstrapError,
+        BraidIOError,
+        PoisonedError,
+        InternalError,
+    )
+}
+
+# ---------------------------------------------------------------------------------------------------
+# The library.
+
+
+def _candidates():
+    env = os.environ.get("BRAID_LIBRARY")
+    if env:
+        yield Path(env)
+        return
+    here = Path(__file__).resolve().parent
+    yield here / "libbraid.so"
+    for root in (here.parent.parent, Path.cwd()):
+        for profile in ("release", "debug"):
+            yield root / "target" / profile / "libbraid.so"
+    found = ctypes.util.find_library("braid")
+    if found:
+        yield Path(found)
+
+
+def _load():
+    tried = []
+    for path in _candidates():
+        tried.append(str(path))
+        if path.is_absolute() and not path.exists():
+            continue
+        try:
+            return ctypes.CDLL(str(path)), str(path)
+        except OSError:
+            continue
+    raise ImportError(
+        "braid: libbraid.so not found (set BRAID_LIBRARY, or build it with `cargo build -p braid-capi`); "
+        "tried: " + ", ".join(tried)
+    )
+
+
+_lib, library_path = _load()
+
+_UNIQUE_ID_BYTES = 128
+_CONFIG_MAGIC = 0x42524346
+_CONFIG_VERSION = 1
+
+
+class _UniqueIdC(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * _UNIQUE_ID_BYTES)]
+
+
+class _ConfigC(ctypes.Structure):
+    _fields_ = [
+        ("size", ctypes.c_uint32),
+        ("magic", ctypes.c_uint32),
+        ("version", ctypes.c_uint32),
+        ("timeout_ms", ctypes.c_uint32),
+        ("debug_checks", ctypes.c_int32),
+        ("reserved", ctypes.c_uint32 * 11),
+    ]
+
+
+_p = ctypes.c_void_p
+_pp = ctypes.POINTER(ctypes.c_void_p)
+_i = ctypes.c_int
+_sz = ctypes.c_size_t
+_SIGNATURES = {
+    "braid_get_version": [ctypes.POINTER(_i)],
+    "braid_config_init": [ctypes.POINTER(_ConfigC)],
+    "braid_get_unique_id": [ctypes.POINTER(_UniqueIdC)],
+    "braid_get_unique_id_at": [ctypes.POINTER(_UniqueIdC), ctypes.c_char_p],
+    "braid_comm_init_rank": [_pp, _i, _UniqueIdC, _i, ctypes.POINTER(_ConfigC)],
+    "braid_comm_init_from_env": [_pp],
+    "braid_comm_destroy": [_p],
+    "braid_comm_abort": [_p],
+    "braid_comm_get_async_error": [_p, ctypes.POINTER(_i)],
+    "braid_comm_count": [_p, ctypes.POINTER(_i)],
+    "braid_comm_rank": [_p, ctypes.POINTER(_i)],
+    "braid_all_reduce": [_p, _p, _sz, _i, _i, _p, _p],
+    "braid_reduce_scatter": [_p, _p, _sz, _i, _i, _p, _p],
+    "braid_all_gather": [_p, _p, _sz, _i, _p, _p],
+    "braid_broadcast": [_p, _p, _sz, _i, _i, _p, _p],
+    "braid_reduce": [_p, _p, _sz, _i, _i, _i, _p, _p],
+    "braid_barrier": [_p, _p],
+    "braid_all_reduce_async": [_p, _p, _sz, _i, _i, _p, _p, _pp],
+    "braid_all_gather_async": [_p, _p, _sz, _i, _p, _p, _pp],
+    "braid_broadcast_async": [_p, _p, _sz, _i, _i, _p, _p, _pp],
+    "braid_barrier_async": [_p, _p, _pp],
+    "braid_work_wait": [_p],
+    "braid_work_test": [_p, ctypes.POINTER(_i)],
+    "braid_work_free": [_p],
+}
+for _name, _args in _SIGNATURES.items():
+    _f = getattr(_lib, _name)
+    _f.argtypes = _args
+    _f.restype = _i
+
+
+class _CompressStatsC(ctypes.Structure):
+    _fields_ = [
+        ("path", ctypes.c_int),
+        ("warnings", ctypes.c_uint32),
+        ("len", ctypes.c_uint64),
+        ("step", ctypes.c_uint64),
+        ("grad_norm", ctypes.c_double),
+        ("clip_scale", ctypes.c_double),
+        ("residual_norm", ctypes.c_double),
+        ("compression_error", ctypes.c_double),
+        ("density", ctypes.c_double),
+        ("wire_bytes", ctypes.c_uint64),
+        ("dense_bytes", ctypes.c_uint64),
+        ("sent_bytes", ctypes.c_uint64),
+        ("dense_sent_bytes", ctypes.c_uint64),
+    ]
+
+
+_PATHS = ["dense", "sum_closed", "power_iteration", "sparse_all_gather", "sparse_dense_switch", "two_phase"]
+for _name, _args in {
+    "braid_compressor_create": [_pp, ctypes.c_char_p, _i, _sz],
+    "braid_compressor_destroy": [_p],
+    "braid_compressor_reset": [_p],
+    "braid_all_reduce_compressed": [_p, _sz, _i, _p, _p, ctypes.POINTER(_CompressStatsC)],
+}.items():
+    _f = getattr(_lib, _name)
+    _f.argtypes = _args
+    _f.restype = _i
+_lib.braid_get_error_string.argtypes = [_i]
+_lib.braid_get_error_string.restype = ctypes.c_char_p
+_lib.braid_get_last_error_message.argtypes = []
+_lib.braid_get_last_error_message.restype = ctypes.c_char_p
+
+
+def _check(rc):
+    """Raises the error class of a non-zero result code, with braid's message for this thread."""
+    if rc == 0:
+        return
+    message = (_lib.braid_get_last_error_message() or b"").decode("utf-8", "replace")
+    if not message:
+        message = (_lib.braid_get_error_string(rc) or b"").decode()
+    raise _ERRORS.get(rc, BraidError)(message, rc)
+
+
+def version():
+    """The library's version as major * 10000 + minor * 100 + patch."""
+    v = _i()
+    _check(_lib.braid_get_version(ctypes.byref(v)))
+    return v.value
+
+
+# ---------------------------------------------------------------------------------------------------
+# Types and ops.
+
+_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+_DTYPES = {
+    np.dtype(np.int8): 0,
+    np.dtype(np.uint8): 1,
+    np.dtype(np.int32): 2,
+    np.dtype(np.uint32): 3,
+    np.dtype(np.int64): 4,
+    np.dtype(np.uint64): 5,
+    np.dtype(np.float16): 6,
+    np.dtype(np.float32): 7,
+    np.dtype(np.float64): 8,
+}
+
+
+def _dtype_code(dtype):
+    code = _DTYPES.get(np.dtype(dtype))
+    if code is None and np.dtype(dtype).name == "bfloat16":  # ml_dtypes.bfloat16
+        code = 9
+    if code is None:
+        raise TypeError(f"braid: unsupported dtype {np.dtype(dtype)}")
+    return code
+
+
+def _op_code(op):
+    if isinstance(op, int):
+        return op  # checked by braid
+    try:
+        return _OPS[op.lower()]
+    except (KeyError, AttributeError):
+        raise ValueError(f"braid: unknown op {op!r} (expected one of {', '.join(_OPS)})") from None
+
+
+def _array(a, name, writeable=False):
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"braid: {name} must be a numpy array, not {type(a).__name__}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"braid: {name} must be C-contiguous")
+    if writeable and not a.flags.writeable:
+        raise ValueError(f"braid: {name} must be writeable")
+    return a
+
+
+def _ptr(a):
+    return ctypes.c_void_p(a.ctypes.data) if a is not None and a.size else None
+
+
+def _same_kind(a, b, what):
+    if a.dtype != b.dtype:
+        raise TypeError(f"braid: {what}: dtypes differ ({a.dtype} and {b.dtype})")
+
+
+class UniqueId:
+    """Names a communicator: ``UniqueId.new()`` on the process that will be rank 0, then its ``text``
+    (``host:port/secret``) to every rank by any means, and ``UniqueId(text)`` there."""
+
+    def __init__(self, text):
+        raw = text.encode() if isinstance(text, str) else bytes(text)
+        if len(raw) >= _UNIQUE_ID_BYTES:
+            raise ValueError("braid: a unique id is shorter than 128 bytes")
+        self.text = raw.decode()
+
+    @classmethod
+    def new(cls, listen=None):
+        """A fresh id whose root listens in this process: on the loopback interface, or on ``listen``
+        (``"host:port"``, an address the other hosts can reach; port 0 for any)."""
+        c = _UniqueIdC()
+        if listen is None:
+            _check(_lib.braid_get_unique_id(ctypes.byref(c)))
+        else:
+            _check(_lib.braid_get_unique_id_at(ctypes.byref(c), str(listen).encode()))
+        return cls(c.internal)
+
+    def _c(self):
+        c = _UniqueIdC()
+        c.internal = self.text.encode()
+        return c
+
+    def __repr__(self):
+        return f"UniqueId({self.text.split('/')[0]}/...)"
+
+
+class Work:
+    """An asynchronous collective. ``wait()`` returns its result array; ``test()`` whether it is done.
+    The arrays stay referenced here until the work completes."""
+
+    def __init__(self, handle, result, keep):
+        self._h = handle
+        self._result = result
+        self._keep = keep
+
+    def test(self):
+        done = _i()
+        _check(_lib.braid_work_test(self._h, ctypes.byref(done)))
+        return bool(done.value)
+
+    def wait(self):
+        _check(_lib.braid_work_wait(self._h))
+        return self._result
+
+    def free(self):
+        if self._h:
+            h, self._h = self._h, None
+            _check(_lib.braid_work_free(h))
+            self._keep = None
+
+    def __del__(self):
+        try:
+            if self._h:
+                # Complete before freeing, so the result array is written while it is still referenced.
+                _lib.braid_work_wait(self._h)
+                self.free()
+        except Exception:
+            pass
+
+
+class Compressor:
+    """The compression state of one float32 tensor of ``length`` elements: codec (``"topk:0.1"``,
+    ``"int8"``, ``"sign"``, ``"fp16"``, ``"powersgd:4"``, ``"none"``, ...; None: ``BRAID_COMPRESS`` or
+    top-k at 10%), error feedback (None: ``BRAID_COMPRESS_EF`` or on) and step counter. Make one per tensor,
+    the same on every rank, and pass it to :meth:`Communicator.all_reduce_compressed` every step."""
+
+    def __init__(self, length, codec=None, error_feedback=None):
+        ef = -1 if error_feedback is None else (1 if error_feedback else 0)
+        h = ctypes.c_void_p()
+        spec = None if codec is None else str(codec).encode()
+        _check(_lib.braid_compressor_create(ctypes.byref(h), spec, ef, int(length)))
+        self._h = h
+        self.length = int(length)
+
+    @property
+    def handle(self):
+        if not self._h:
+            raise InvalidArgumentError("braid: the compressor is closed", 1)
+        return self._h
+
+    def reset(self):
+        """Clears the error buffers (as after loading a checkpoint); every rank resets at the same step."""
+        _check(_lib.braid_compressor_reset(self.handle))
+
+    def close(self):
+        if self._h:
+            h, self._h = self._h, None
+            _check(_lib.braid_compressor_destroy(h))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Communicator:
+    """A group of ranks running collectives together (``braid_comm``)."""
+
+    def __init__(self, handle):
+        self._h = ctypes.c_void_p(handle)
+
+    @classmethod
+    def from_env(cls):
+        """Joins the job described by the environment (``braid run``, torchrun, mpirun, srun)."""
+        h = ctypes.c_void_p()
+        _check(_lib.braid_comm_init_from_env(ctypes.byref(h)))
+        return cls(h.value)
+
+    @classmethod
+    def init(cls, nranks, rank, unique_id, timeout_ms=None, debug_checks=None):
+        """Joins the communicator named by ``unique_id`` (a :class:`UniqueId` or its text) as ``rank`` of
+        ``nranks``. ``timeout_ms`` and ``debug_checks`` override the environment."""
+        if not isinstance(unique_id, UniqueId):
+            unique_id = UniqueId(unique_id)
+        cfg = _ConfigC()
+        _check(_lib.braid_config_init(ctypes.byref(cfg)))
+        if timeout_ms is not None:
+            cfg.timeout_ms = int(timeout_ms)
+        if debug_checks is not None:
+            cfg.debug_checks = 1 if debug_checks else 0
+        h = ctypes.c_void_p()
+        _check(_lib.braid_comm_init_rank(ctypes.byref(h), int(nranks), unique_id._c(), int(rank),
+                                         ctypes.byref(cfg)))
+        return cls(h.value)
+
+    # -- lifetime ----------------------------------------------------------------------------------
+
+    @property
+    def handle(self):
+        if not self._h:
+            raise InvalidArgumentError("braid: the communicator is closed", 1)
+        return self._h
+
+    def close(self):
+        """Destroys the communicator (idempotent)."""
+        if self._h:
+            h, self._h = self._h, None
+            _check(_lib.braid_comm_destroy(h))
+
+    def abort(self):
+        """Aborts from any thread: blocked and later collectives fail promptly, peers are told."""
+        _check(_lib.braid_comm_abort(self.handle))
+
+    def async_error(self):
+        """None, or the error that made the communicator unusable."""
+        code = _i()
+        _check(_lib.braid_comm_get_async_error(self.handle, ctypes.byref(code)))
+        if code.value == 0:
+            return None
+        message = (_lib.braid_get_last_error_message() or b"").decode("utf-8", "replace")
+        return _ERRORS.get(code.value, BraidError)(message, code.value)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    @property
+    def rank(self):
+        v = _i()
+        _check(_lib.braid_comm_rank(self.handle, ctypes.byref(v)))
+        return v.value
+
+    @property
+    def size(self):
+        v = _i()
+        _check(_lib.braid_comm_count(self.handle, ctypes.byref(v)))
+        return v.value
+
+    # -- collectives -------------------------------------------------------------------------------
+
+    def all_reduce(self, x, op="sum", out=None):
+        """Reduces ``x`` across ranks into ``out`` (default: ``x`` itself, in place); returns it."""
+        _array(x, "x", writeable=out is None)
+        out = x if out is None else _array(out, "out", writeable=True)
+        _same_kind(x, out, "all_reduce")
+        if out.size != x.size:
+            raise ValueError(f"braid: all_reduce: out has {out.size} elements, x {x.size}")
+        _check(_lib.braid_all_reduce(_ptr(x), _ptr(out), x.size, _dtype_code(x.dtype), _op_code(op),
+                                     self.handle, None))
+        return out
+
+    def reduce_scatter(self, x, op="sum", out=None, in_place=False):
+        """Reduces ``x`` (``size`` blocks) across ranks; this rank gets block ``rank``. Returns ``out``
+        (allocated if None), or with ``in_place`` the block of ``x`` itself."""
+        world = self.size
+        _array(x, "x", writeable=in_place)
+        if x.size % world:
+            raise ValueError(f"braid: reduce_scatter: {x.size} elements do not split into {world} blocks")
+        n = x.size // world
+        flat = x.reshape(-1)
+        if in_place:
+            out = flat[self.rank * n:(self.rank + 1) * n]
+        elif out is None:
+            out = np.empty(n, dtype=x.dtype)
+        else:
+            _array(out, "out", writeable=True)
+            _same_kind(x, out, "reduce_scatter")
+            if out.size != n:
+                raise ValueError(f"braid: reduce_scatter: out must hold {n} elements, has {out.size}")
+        _check(_lib.braid_reduce_scatter(_ptr(x), _ptr(out), n, _dtype_code(x.dtype), _op_code(op),
+                                         self.handle, None))
+        return out
+
+    def all_gather(self, x, out=None):
+        """Every rank's ``x`` in rank order, in ``out`` (allocated if None: ``size · x.size`` elements)."""
+        _array(x, "x")
+        world = self.size
+        if out is None:
+            out = np.empty(x.size * world, dtype=x.dtype)
+        else:
+            _array(out, "out", writeable=True)
+            _same_kind(x, out, "all_gather")
+            if out.size != x.size * world:
+                raise ValueError(f"braid: all_gather: out must hold {x.size * world} elements, has {out.size}")
+        _check(_lib.braid_all_gather(_ptr(x), _ptr(out), x.size, _dtype_code(x.dtype), self.handle, None))
+        return out
+
+    def all_gather_in_place(self, buf):
+        """``buf`` holds ``size`` blocks; this rank's block is its contribution. Returns ``buf``."""
+        _array(buf, "buf", writeable=True)
+        world = self.size
+        if buf.size % world:
+            raise ValueError(f"braid: all_gather_in_place: {buf.size} elements do not split into {world} blocks")
+        n = buf.size // world
+        flat = buf.reshape(-1)
+        block = flat[self.rank * n:(self.rank + 1) * n]
+        _check(_lib.braid_all_gather(_ptr(block), _ptr(buf), n, _dtype_code(buf.dtype), self.handle, None))
+        return buf
+
+    def broadcast(self, x, root=0, out=None):
+        """``root``'s ``x`` into every rank's ``out`` (default: ``x`` itself, in place)."""
+        _array(x, "x", writeable=out is None)
+        out = x if out is None else _array(out, "out", writeable=True)
+        _same_kind(x, out, "broadcast")
+        if out.size != x.size:
+            raise ValueError(f"braid: broadcast: out has {out.size} elements, x {x.size}")
+        _check(_lib.braid_broadcast(_ptr(x), _ptr(out), out.size, _dtype_code(x.dtype), int(root),
+                                    self.handle, None))
+        return out
+
+    def reduce(self, x, op="sum", root=0, out=None):
+        """Reduces ``x`` across ranks into ``root``'s ``out`` (default: ``x``, in place); other ranks'
+        ``out`` is left alone."""
+        _array(x, "x", writeable=out is None)
+        out = x if out is None else _array(out, "out", writeable=True)
+        _same_kind(x, out, "reduce")
+        if out.size != x.size:
+            raise ValueError(f"braid: reduce: out has {out.size} elements, x {x.size}")
+        _check(_lib.braid_reduce(_ptr(x), _ptr(out), x.size, _dtype_code(x.dtype), _op_code(op), int(root),
+                                 self.handle, None))
+        return out
+
+    def barrier(self):
+        _check(_lib.braid_barrier(self.handle, None))
+
+    def all_reduce_compressed(self, grad, compressor, op="avg"):
+        """All-reduces the float32 gradient ``grad`` in place, compressed as ``compressor`` says; returns
+        the step's statistics as a dict (``path``, ``compression_error``, ``density``, ``grad_norm``,
+        ``wire_bytes``, ``sent_bytes``, ...)."""
+        _array(grad, "grad", writeable=True)
+        if grad.dtype != np.float32:
+            raise TypeError(f"braid: all_reduce_compressed takes float32, not {grad.dtype}")
+        st = _CompressStatsC()
+        _check(_lib.braid_all_reduce_compressed(_ptr(grad), grad.size, _op_code(op), compressor.handle,
+                                                self.handle, ctypes.byref(st)))
+        out = {name: getattr(st, name) for name, _ in _CompressStatsC._fields_}
+        out["path"] = _PATHS[st.path] if 0 <= st.path < len(_PATHS) else st.path
+        return out
+
+    # -- asynchronous ------------------------------------------------------------------------------
+
+    def _work(self, call, result, keep):
+        h = ctypes.c_void_p()
+        _check(call(ctypes.byref(h)))
+        return Work(h, result, keep)
+
+    def all_reduce_async(self, x, op="sum", out=None):
+        """Queues an all-reduce (``x`` is copied now); ``wait()`` returns ``out`` (default ``x``)."""
+        _array(x, "x", writeable=out is None)
+        out = x if out is None else _array(out, "out", writeable=True)
+        _same_kind(x, out, "all_reduce_async")
+        if out.size != x.size:
+            raise ValueError(f"braid: all_reduce_async: out has {out.size} elements, x {x.size}")
+        code, o = _dtype_code(x.dtype), _op_code(op)
+        return self._work(
+            lambda w: _lib.braid_all_reduce_async(_ptr(x), _ptr(out), x.size, code, o, self.handle, None, w),
+            out, (x, out))
+
+    def all_gather_async(self, x, out=None):
+        """Queues an all-gather; ``wait()`` returns ``out`` (allocated if None)."""
+        _array(x, "x")
+        if out is None:
+            out = np.empty(x.size * self.size, dtype=x.dtype)
+        _array(out, "out", writeable=True)
+        _same_kind(x, out, "all_gather_async")
+        if out.size != x.size * self.size:
+            raise ValueError(f"braid: all_gather_async: out must hold {x.size * self.size} elements")
+        code = _dtype_code(x.dtype)
+        return self._work(
+            lambda w: _lib.braid_all_gather_async(_ptr(x), _ptr(out), x.size, code, self.handle, None, w),
+            out, (x, out))
+
+    def broadcast_async(self, x, root=0):
+        """Queues a broadcast from ``root`` into ``x``; ``wait()`` returns ``x``."""
+        _array(x, "x", writeable=True)
+        code = _dtype_code(x.dtype)
+        return self._work(
+            lambda w: _lib.braid_broadcast_async(_ptr(x), _ptr(x), x.size, code, int(root), self.handle, None, w),
+            x, (x,))
+
+    def barrier_async(self):
+        return self._work(lambda w: _lib.braid_barrier_async(self.handle, None, w), None, ())

@@ -1,0 +1,230 @@
+"""Tests of the Python binding. Run as every rank of a job: `braid run -n 4 -- python3 test_braid.py`.
+
+Every rank runs the same tests in the same order (unittest sorts them by name), so their collectives
+match up. Expected values are exact: inputs are small integers.
+"""
+
+import os
+import sys
+import unittest
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import braid  # noqa: E402
+
+DTYPES = [np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64, np.float16, np.float32, np.float64]
+OPS = ["sum", "prod", "max", "min", "avg"]
+
+
+def inputs(rank, n, dtype, op):
+    i = np.arange(n)
+    if op == "prod":
+        v = 1 + (rank + i) % 2
+    else:
+        v = (rank * 3 + i) % 11
+        if np.issubdtype(dtype, np.signedinteger) or np.issubdtype(dtype, np.floating):
+            v = v - 5 if op != "avg" else v
+    return v.astype(np.float64)
+
+
+def expected(world, n, dtype, op):
+    rows = np.stack([inputs(r, n, dtype, op) for r in range(world)])
+    if op in ("sum", "avg"):
+        out = rows.sum(axis=0)
+        if op == "avg":
+            out = out / world
+            if not np.issubdtype(dtype, np.floating):
+                out = np.trunc(out)
+    elif op == "prod":
+        out = rows.prod(axis=0)
+    elif op == "max":
+        out = rows.max(axis=0)
+    else:
+        out = rows.min(axis=0)
+    return out.astype(dtype)
+
+
+class Collectives(unittest.TestCase):
+    comm = None
+
+    @classmethod
+    def setUpClass(cls):
+        cls.comm = braid.Communicator.from_env()
+        cls.rank, cls.world = cls.comm.rank, cls.comm.size
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.comm.close()
+
+    def test_a_identity(self):
+        self.assertEqual(self.rank, int(os.environ["BRAID_RANK"]))
+        self.assertEqual(self.world, int(os.environ["BRAID_WORLD_SIZE"]))
+        self.assertGreaterEqual(braid.version(), 100)
+        self.assertTrue(braid.library_path.endswith("libbraid.so"))
+
+    def test_all_reduce_every_dtype_and_op(self):
+        n = 301
+        for dtype in DTYPES:
+            for op in OPS:
+                x = inputs(self.rank, n, dtype, op).astype(dtype)
+                want = expected(self.world, n, dtype, op)
+                out = self.comm.all_reduce(x, op=op, out=np.zeros_like(x))
+                np.testing.assert_array_equal(out, want, err_msg=f"{dtype.__name__} {op}")
+                np.testing.assert_array_equal(x, inputs(self.rank, n, dtype, op).astype(dtype))
+                same = self.comm.all_reduce(x, op=op)
+                self.assertIs(same, x)
+                np.testing.assert_array_equal(x, want, err_msg=f"in place {dtype.__name__} {op}")
+
+    def test_all_reduce_2d_and_empty(self):
+        x = np.full((64, 33), self.rank + 1, dtype=np.float32)
+        self.comm.all_reduce(x)
+        self.assertTrue((x == self.world * (self.world + 1) / 2).all())
+        empty = np.zeros(0, dtype=np.float64)
+        self.comm.all_reduce(empty)
+        self.assertEqual(empty.size, 0)
+
+    def test_reduce_scatter(self):
+        n = 17
+        for op in ("sum", "max"):
+            x = inputs(self.rank, n * self.world, np.float32, op).astype(np.float32)
+            want = expected(self.world, n * self.world, np.float32, op)[self.rank * n:(self.rank + 1) * n]
+            np.testing.assert_array_equal(self.comm.reduce_scatter(x, op=op), want)
+            block = self.comm.reduce_scatter(x, op=op, in_place=True)
+            np.testing.assert_array_equal(block, want)
+            np.testing.assert_array_equal(x[self.rank * n:(self.rank + 1) * n], want)
+
+    def test_all_gather(self):
+        n = 9
+        mine = np.arange(n, dtype=np.int64) + 100 * self.rank
+        want = np.concatenate([np.arange(n, dtype=np.int64) + 100 * r for r in range(self.world)])
+        np.testing.assert_array_equal(self.comm.all_gather(mine), want)
+        buf = np.zeros(n * self.world, dtype=np.int64)
+        buf[self.rank * n:(self.rank + 1) * n] = mine
+        np.testing.assert_array_equal(self.comm.all_gather_in_place(buf), want)
+
+    def test_broadcast_and_reduce_every_root(self):
+        n = 50
+        for root in range(self.world):
+            x = np.arange(n, dtype=np.float64) * (root + 1) if self.rank == root else np.zeros(n)
+            self.comm.broadcast(x, root=root)
+            np.testing.assert_array_equal(x, np.arange(n) * (root + 1.0))
+            y = np.full(n, self.rank + 1, dtype=np.int32)
+            out = np.zeros(n, dtype=np.int32)
+            self.comm.reduce(y, op="sum", root=root, out=out)
+            if self.rank == root:
+                self.assertTrue((out == self.world * (self.world + 1) // 2).all())
+            else:
+                self.assertTrue((out == 0).all())
+
+    def test_async(self):
+        xs = [np.full(1000, self.rank + k, dtype=np.float32) for k in range(3)]
+        works = [self.comm.all_reduce_async(x, op="sum") for x in xs]
+        for k, w in reversed(list(enumerate(works))):
+            out = w.wait()
+            self.assertTrue((out == sum(r + k for r in range(self.world))).all())
+            w.free()
+        g = self.comm.all_gather_async(np.array([self.rank], dtype=np.uint8))
+        while not g.test():
+            pass
+        np.testing.assert_array_equal(g.wait(), np.arange(self.world, dtype=np.uint8))
+        g.free()
+        b = np.full(4, 7.0) if self.rank == 0 else np.zeros(4)
+        self.comm.broadcast_async(b, root=0).wait()
+        self.assertTrue((b == 7.0).all())
+        self.comm.barrier_async().wait()
+        self.comm.barrier()
+
+    def test_compressed(self):
+        n = 2048
+        i = np.arange(n)
+        for codec, exact in (("none", True), ("fp16", True), ("topk:0.1", False), ("int8", False),
+                             ("powersgd:2", False)):
+            with braid.Compressor(n, codec, error_feedback=True) as c:
+                for step in range(2):
+                    g = ((i * 3 + (self.rank + step) * 7) % 17 - 8).astype(np.float32)
+                    st = self.comm.all_reduce_compressed(g, c, op="avg")
+                    self.assertEqual((st["step"], st["len"]), (step + 1, n), codec)
+                    self.assertTrue(0 < st["density"] <= 1, codec)
+                    self.assertIsInstance(st["path"], str)
+                    everyone = self.comm.all_gather(g).reshape(self.world, n)
+                    for r in range(self.world):
+                        np.testing.assert_array_equal(everyone[r], g, err_msg=f"{codec}: rank {r} differs")
+                    if exact:
+                        want = np.mean([(i * 3 + (r + step) * 7) % 17 - 8 for r in range(self.world)], axis=0)
+                        np.testing.assert_array_equal(g, want.astype(np.float32), err_msg=codec)
+                c.reset()
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            braid.Compressor(n, "topk:7")
+        self.assertIn("codec_spec", str(e.exception))
+        with braid.Compressor(n, "int8") as c, self.assertRaises(braid.InvalidArgumentError) as e:
+            self.comm.all_reduce_compressed(np.zeros(n - 1, dtype=np.float32), c)
+        self.assertIn("len", str(e.exception))
+
+    def test_errors_are_typed_and_leave_the_communicator_usable(self):
+        x = np.ones(8, dtype=np.float32)
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            self.comm.broadcast(x, root=self.world)
+        self.assertIn("root", str(e.exception))
+        self.assertEqual(e.exception.code, 1)
+        self.assertIsInstance(e.exception, braid.BraidError)
+        self.assertIsInstance(e.exception, ValueError)
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            self.comm.all_reduce(x, op=17)
+        self.assertIn("op 17", e.exception.message)
+        with self.assertRaises(ValueError):
+            self.comm.all_reduce(x, op="median")
+        with self.assertRaises(ValueError):
+            self.comm.all_reduce(np.ones((4, 4), dtype=np.float32)[:, 1])
+        with self.assertRaises(TypeError):
+            self.comm.all_reduce(np.ones(3, dtype=np.complex64))
+        with self.assertRaises(TypeError):
+            self.comm.all_reduce([1.0, 2.0])
+        self.assertIsNone(self.comm.async_error())
+        self.comm.all_reduce(x)
+        self.assertTrue((x == self.world).all())
+
+
+class Standalone(unittest.TestCase):
+    def test_unique_id_abort_and_close(self):
+        uid = braid.UniqueId.new()
+        self.assertIn("/", uid.text)
+        with braid.Communicator.init(1, 0, uid, timeout_ms=10000, debug_checks=True) as c:
+            self.assertEqual((c.rank, c.size), (0, 1))
+            x = np.arange(5, dtype=np.float64)
+            c.all_reduce(x, op="max")
+            np.testing.assert_array_equal(x, np.arange(5))
+            c.abort()
+            with self.assertRaises((braid.AbortedError, braid.PoisonedError)) as e:
+                c.all_reduce(x)
+            self.assertIn("abort", str(e.exception))
+            self.assertIsInstance(c.async_error(), braid.AbortedError)
+        with self.assertRaises(braid.InvalidArgumentError):
+            c.barrier()
+        c.close()  # idempotent
+
+    def test_unique_id_at_an_address(self):
+        uid = braid.UniqueId.new(listen="127.0.0.1:0")
+        self.assertTrue(uid.text.startswith("127.0.0.1:"))
+        with braid.Communicator.init(1, 0, uid) as c:
+            self.assertEqual(c.size, 1)
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            braid.UniqueId.new(listen="nowhere:99999")
+        self.assertIn("listen_addr", str(e.exception))
+
+    def test_bad_init_arguments(self):
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            braid.Communicator.init(2, 5, braid.UniqueId("127.0.0.1:1/" + "0" * 32))
+        self.assertIn("rank 5", str(e.exception))
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            braid.Communicator.init(2, 0, "not an id")
+        self.assertIn("not a braid unique id", str(e.exception))
+
+
+if __name__ == "__main__":
+    result = unittest.main(exit=False, verbosity=1).result
+    rank = os.environ.get("BRAID_RANK", "?")
+    ok = result.wasSuccessful() and result.testsRun > 0
+    print(f"rank {rank}: python {'ok' if ok else 'FAILED'} ({result.testsRun} tests)", flush=True)
+    sys.exit(0 if ok else 1)
