@@ -169,6 +169,10 @@ enum Cmd {
         /// Also write the results as JSON to this file.
         #[arg(long)]
         json: Option<String>,
+        /// Synchronise compressed gradients with the local reference (compress on each rank, all-gather
+        /// the encodings, sum in rank order) instead of the communicator's compressed all-reduce.
+        #[arg(long)]
+        gather: bool,
     },
 }
 
@@ -188,6 +192,7 @@ fn main() {
             lr_adam,
             out,
             json,
+            gather,
         } => {
             let args = (|| -> Result<eval::EvalArgs, String> {
                 let task: eval::Task = task.parse()?;
@@ -220,6 +225,7 @@ fn main() {
                     lr_adam,
                     out,
                     json,
+                    gather,
                 })
             })();
             match args {

@@ -146,3 +146,53 @@ fn bad_arguments_are_refused_before_any_rank_starts() {
         assert!(stderr.contains(needle), "{args:?}: {stderr}");
     }
 }
+
+/// The communicator's compressed all-reduce and the local all-gather reference train top-k alike.
+#[test]
+fn compressed_all_reduce_matches_the_gather_reference() {
+    let dir = scratch("compress-eval-gather");
+    let mut losses = Vec::new();
+    for gather in [false, true] {
+        let json = dir.join(format!("gather-{gather}.json"));
+        let mut cmd = braid();
+        cmd.args([
+            "compress-eval",
+            "--quick",
+            "--ranks",
+            "2",
+            "--codecs",
+            "topk:0.1,topk:0.01/noef",
+            "--optimizers",
+            "sgd",
+            "--steps",
+            "60",
+            "--json",
+        ])
+        .arg(&json);
+        if gather {
+            cmd.arg("--gather");
+        }
+        let res = cmd.output().unwrap();
+        assert!(
+            res.status.success(),
+            "{}",
+            String::from_utf8_lossy(&res.stderr)
+        );
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        let runs = report["runs"].as_array().unwrap().clone();
+        losses.push(
+            runs.iter()
+                .map(|r| r["final_train_loss"].as_f64().unwrap())
+                .collect::<Vec<_>>(),
+        );
+    }
+    for (a, b) in losses[0].iter().zip(&losses[1]) {
+        assert!(
+            (a - b).abs() <= 1e-6 * a.abs(),
+            "all_reduce_compressed {a} vs gather {b}"
+        );
+    }
+    assert_ne!(losses[0][0], losses[0][1], "the two settings should differ");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,14 +1,18 @@
 //! Gradient synchronisation behind one small trait, so the trainer does not care how gradients travel.
 //!
-//! [`DenseSync`] averages with a plain all-reduce. [`GatherSync`] compresses locally with
-//! `braid_compress` (each rank its own [`ErrorFeedback`] and codec), all-gathers the encoded bytes, and
-//! every rank decodes and sums all contributions in rank order, so all ranks apply bit-identical updates.
-//! A compressed all-reduce in the communicator replaces `GatherSync` without touching the trainer.
+//! [`DenseSync`] averages with a plain all-reduce. [`CompressedSync`] calls the communicator's compressed
+//! all-reduce (sum-closed codecs ride the ring, top-k is all-gathered, int8/sign go two-phase, PowerSGD
+//! all-reduces its factors). [`GatherSync`] is the reference it is compared with: each rank compresses
+//! locally with `braid_compress` (its own [`ErrorFeedback`] and codec), the encoded bytes are all-gathered,
+//! and every rank decodes and sums all contributions in rank order, so all ranks apply bit-identical
+//! updates.
 
 use std::fmt;
 use std::str::FromStr;
 
-use braid::{Communicator, DType, Error, ReduceOp};
+use braid::{
+    CodecSpec, Communicator, CompressionConfig, DType, Error, GradientCompressor, ReduceOp,
+};
 use braid_compress::{Cast, Codec, Compressed, ErrorFeedback, Int8, PowerSgd, RandomK, Sign, TopK};
 
 /// What one synchronisation did, as seen by this rank.
@@ -152,8 +156,60 @@ impl fmt::Display for Setting {
     }
 }
 
-/// The synchroniser for `setting` over `len` elements on `rank`; `seed` is the run's seed and
-/// `adaptive` says whether the optimizer is adaptive (for the warnings).
+/// The communicator's compressed all-reduce for `setting` (dense stays a plain all-reduce).
+pub fn make_compressed(
+    setting: Setting,
+    len: usize,
+    seed: u64,
+    adaptive: bool,
+) -> Result<Box<dyn GradSync>, String> {
+    let block = braid_compress::DEFAULT_BLOCK;
+    let codec = match setting.codec {
+        CodecChoice::Dense => return Ok(Box::new(DenseSync)),
+        CodecChoice::Fp16 => CodecSpec::Fp16,
+        CodecChoice::Bf16 => CodecSpec::Bf16,
+        CodecChoice::TopK(density) => CodecSpec::TopK { density },
+        CodecChoice::RandomK(density) => CodecSpec::RandomK { density },
+        CodecChoice::Int8 { stochastic } => CodecSpec::Int8 { block, stochastic },
+        CodecChoice::Sign => CodecSpec::Sign { block },
+        CodecChoice::PowerSgd(rank) => CodecSpec::PowerSgd { rank },
+    };
+    let config = CompressionConfig {
+        codec,
+        error_feedback: setting.error_feedback,
+        adaptive_optimizer: adaptive,
+        seed,
+        ..CompressionConfig::default()
+    };
+    let state = GradientCompressor::new(config, len).map_err(|e| e.to_string())?;
+    Ok(Box::new(CompressedSync { state }))
+}
+
+/// [`Communicator::all_reduce_compressed`] with [`ReduceOp::Avg`].
+pub struct CompressedSync {
+    state: GradientCompressor,
+}
+
+impl GradSync for CompressedSync {
+    fn sync(
+        &mut self,
+        comm: &Communicator,
+        grad: &mut [f32],
+        _step: u64,
+    ) -> Result<SyncInfo, Error> {
+        let r = comm.all_reduce_compressed(grad, ReduceOp::Avg, &mut self.state)?;
+        Ok(SyncInfo {
+            sent_bytes: r.sent_bytes,
+            grad_norm: r.stats.grad_norm,
+            compression_error: r.stats.compression_error,
+            density: r.stats.density,
+            warnings: r.warnings,
+        })
+    }
+}
+
+/// The local reference synchroniser ([`GatherSync`]) for `setting` over `len` elements on `rank`; `seed`
+/// is the run's seed and `adaptive` says whether the optimizer is adaptive (for the warnings).
 pub fn make(
     setting: Setting,
     len: usize,
