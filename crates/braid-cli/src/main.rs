@@ -133,8 +133,8 @@ enum Cmd {
         /// Local ranks to start (default 2 when not started by a launcher).
         #[arg(long)]
         ranks: Option<usize>,
-        /// Task: teacher (a random teacher MLP labels Gaussian inputs), digits (handwritten 8×8 digits)
-        /// or spirals (two interleaved spirals).
+        /// Task: teacher (a random teacher MLP labels Gaussian inputs), wine (the UCI red wine quality
+        /// data, 6 grades) or spirals (two interleaved spirals).
         #[arg(long, default_value = "teacher")]
         task: String,
         /// Settings, comma-separated: CODEC[:PARAM][/ef|/noef] with CODEC one of dense, fp16, bf16,

@@ -1,5 +1,6 @@
-//! The evaluation tasks: a teacher network's labels on Gaussian inputs, the handwritten digits shipped
-//! with the project, and two interleaved spirals. Each is split into a training and a test set.
+//! The evaluation tasks: a teacher network's labels on Gaussian inputs, the red wine quality data set
+//! (UCI, 1599 wines, shipped by the `linfa-datasets` crate), and two interleaved spirals. Each is split
+//! into a training and a test set.
 
 use std::fmt;
 use std::str::FromStr;
@@ -7,17 +8,14 @@ use std::str::FromStr;
 use super::mlp::{argmax, Mlp, Workspace};
 use super::rng::Rng;
 
-/// The UCI handwritten digits (8×8 images, pixels 0..16, 1797 samples), one sample per line: the label,
-/// a space, then 64 pixels as base-17 digits `0-9a-g`. See `data/README.md` for where it comes from.
-const DIGITS: &str = include_str!("../../data/digits.txt");
-
 /// Which task to train on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Task {
     /// A fixed random teacher MLP (32 → 64 → 10) labels standard-normal inputs; 10 classes.
     Teacher,
-    /// Handwritten digits, 64 inputs scaled to [0, 1]; 10 classes.
-    Digits,
+    /// Red wine quality (UCI): 11 physico-chemical measurements, standardised; the quality grade
+    /// (3 to 8) as 6 classes, most of them 5 or 6.
+    Wine,
     /// Two interleaved noisy spirals in the plane; 2 classes.
     Spirals,
 }
@@ -27,10 +25,10 @@ impl FromStr for Task {
     fn from_str(s: &str) -> Result<Self, String> {
         match s.trim().to_ascii_lowercase().as_str() {
             "teacher" => Ok(Task::Teacher),
-            "digits" => Ok(Task::Digits),
+            "wine" => Ok(Task::Wine),
             "spirals" => Ok(Task::Spirals),
             other => Err(format!(
-                "unknown task {other:?} (expected teacher, digits or spirals)"
+                "unknown task {other:?} (expected teacher, wine or spirals)"
             )),
         }
     }
@@ -40,7 +38,7 @@ impl fmt::Display for Task {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Task::Teacher => "teacher",
-            Task::Digits => "digits",
+            Task::Wine => "wine",
             Task::Spirals => "spirals",
         })
     }
@@ -87,7 +85,7 @@ impl Task {
         match self {
             Task::Teacher => Ok(teacher(seed, if quick { 16384 } else { 32768 }, 4096)),
             Task::Spirals => Ok(spirals(seed, if quick { 1024 } else { 4096 }, 1024)),
-            Task::Digits => digits(seed),
+            Task::Wine => wine(seed),
         }
     }
 
@@ -96,7 +94,7 @@ impl Task {
         match (self, quick) {
             (Task::Teacher, true) => vec![64],
             (Task::Teacher, false) => vec![128, 64],
-            (Task::Digits, _) => vec![64],
+            (Task::Wine, _) => vec![64],
             (Task::Spirals, _) => vec![64, 64],
         }
     }
@@ -149,54 +147,53 @@ fn spirals(seed: u64, train: usize, test: usize) -> Dataset {
     split(2, 2, xs, ys, test)
 }
 
-/// Parses the shipped digits file.
-pub fn parse_digits(text: &str) -> Result<(Vec<f32>, Vec<u32>), String> {
-    let mut xs = Vec::new();
-    let mut ys = Vec::new();
-    for (no, line) in text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-    {
-        let bad = |why: &str| format!("digits data, line {}: {why}", no + 1);
-        let (label, pixels) = line
-            .split_once(' ')
-            .ok_or_else(|| bad("no space after the label"))?;
-        let label: u32 = label
-            .parse()
-            .ok()
-            .filter(|l| *l < 10)
-            .ok_or_else(|| bad("label is not a digit 0-9"))?;
-        if pixels.len() != 64 {
-            return Err(bad(&format!("{} pixels, expected 64", pixels.len())));
-        }
-        for c in pixels.chars() {
-            let v = c
-                .to_digit(17)
-                .ok_or_else(|| bad(&format!("pixel {c:?} is not in 0-9a-g")))?;
-            xs.push(v as f32 / 16.0);
-        }
-        ys.push(label);
+/// The red wine quality data as `linfa-datasets` ships it: features row-major, and grades mapped to
+/// classes `0..` in increasing order. Fails if the data is not what it should be.
+pub fn wine_data() -> Result<(Vec<f32>, Vec<u32>, usize, usize), String> {
+    let ds = linfa_datasets::winequality();
+    let n = ds.targets.len();
+    let dim = ds.records.ncols();
+    if n == 0 || dim == 0 || ds.records.nrows() != n {
+        return Err(format!(
+            "wine data: {} rows of {dim} features for {n} labels",
+            ds.records.nrows()
+        ));
     }
-    if ys.is_empty() {
-        return Err("digits data is empty".into());
+    let mut grades: Vec<usize> = ds.targets.iter().copied().collect();
+    grades.sort_unstable();
+    grades.dedup();
+    let ys = ds
+        .targets
+        .iter()
+        .map(|g| grades.binary_search(g).expect("listed") as u32)
+        .collect();
+    // Standardise every feature (mean 0, deviation 1): the raw ones span five orders of magnitude.
+    let mut xs = vec![0f32; n * dim];
+    for j in 0..dim {
+        let col = ds.records.column(j);
+        let mean = col.sum() / n as f64;
+        let var = col.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n as f64;
+        let sd = var.sqrt().max(1e-12);
+        for (i, x) in col.iter().enumerate() {
+            xs[i * dim + j] = ((x - mean) / sd) as f32;
+        }
     }
-    Ok((xs, ys))
+    Ok((xs, ys, dim, grades.len()))
 }
 
-/// The digits, shuffled with `seed`, 20% held out for test.
-fn digits(seed: u64) -> Result<Dataset, String> {
-    let (xs, ys) = parse_digits(DIGITS)?;
+/// The wines, shuffled with `seed`, 20% held out for test.
+fn wine(seed: u64) -> Result<Dataset, String> {
+    let (xs, ys, dim, classes) = wine_data()?;
     let n = ys.len();
     let mut order: Vec<usize> = (0..n).collect();
     Rng::new(seed, 0xd161).shuffle(&mut order);
     let mut sx = Vec::with_capacity(xs.len());
     let mut sy = Vec::with_capacity(n);
     for &i in &order {
-        sx.extend_from_slice(&xs[i * 64..(i + 1) * 64]);
+        sx.extend_from_slice(&xs[i * dim..(i + 1) * dim]);
         sy.push(ys[i]);
     }
-    Ok(split(64, 10, sx, sy, n / 5))
+    Ok(split(dim, classes, sx, sy, n / 5))
 }
 
 /// The training rows of step `step` for `rank` of `world`: the step's global batch of `batch` rows
@@ -233,30 +230,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn shipped_digits_parse_with_every_class() {
-        let (xs, ys) = parse_digits(DIGITS).unwrap();
-        assert_eq!(ys.len(), 1797);
-        assert_eq!(xs.len(), 1797 * 64);
-        assert!(xs.iter().all(|x| (0.0..=1.0).contains(x)));
-        for c in 0..10 {
-            let count = ys.iter().filter(|y| **y == c).count();
-            assert!(count > 150, "class {c}: {count}");
+    fn wine_data_is_standardised_with_six_grades() {
+        let (xs, ys, dim, classes) = wine_data().unwrap();
+        assert_eq!((ys.len(), dim, classes), (1599, 11, 6));
+        for j in 0..dim {
+            let mean: f64 =
+                (0..ys.len()).map(|i| xs[i * dim + j] as f64).sum::<f64>() / ys.len() as f64;
+            assert!(mean.abs() < 1e-4, "feature {j} mean {mean}");
+        }
+        for c in 0..classes as u32 {
+            assert!(ys.contains(&c), "grade class {c} unused");
         }
     }
 
     #[test]
-    fn bad_digits_lines_are_named() {
-        assert!(parse_digits("3 00").unwrap_err().contains("line 1"));
-        assert!(parse_digits(&format!("x {}", "0".repeat(64))).is_err());
-        assert!(parse_digits(&format!("1 {}h", "0".repeat(63)))
-            .unwrap_err()
-            .contains("'h'"));
-        assert!(parse_digits("").is_err());
-    }
-
-    #[test]
     fn tasks_are_deterministic_and_use_several_classes() {
-        for task in [Task::Teacher, Task::Digits, Task::Spirals] {
+        for task in [Task::Teacher, Task::Wine, Task::Spirals] {
             let a = task.load(4, true).unwrap();
             let b = task.load(4, true).unwrap();
             assert_eq!(a.train_x, b.train_x);
