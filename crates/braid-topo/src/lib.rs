@@ -95,4 +95,6 @@ pub use file::{FORMAT_VERSION, TOPO_FILE_ENV};
 pub use model::{
     ring_order, Gpu, Host, Link, LinkClass, Nic, NumaNode, RankPlace, Source, Topology,
 };
-pub use probe::{infer_hosts, infer_topology, Inference, ProbeOptions, DEFAULT_GAP_FACTOR};
+pub use probe::{
+    infer_hosts, infer_topology, GapRule, Inference, ProbeOptions, DEFAULT_GAP_FACTOR,
+};

@@ -2,13 +2,15 @@
 //!
 //! Ranks of one host reach each other through memory, which is an order of magnitude faster than any
 //! network; so among the ranks a given rank measured, its same-host peers are the ones before the first
-//! large jump in the sorted row. Working row by row (rather than with one global threshold) keeps the
+//! large jump in the sorted row ([`GapRule::First`], the default), or before the widest one
+//! ([`GapRule::Widest`], for rows whose same-host part is itself spread by a busy machine). Working row by row (rather than with one global threshold) keeps the
 //! method right when hosts differ in speed: a slow host's internal latency may exceed a fast host's, but
 //! within one row it is still far below the network. The steps:
 //!
 //! 1. symmetrize: the geometric mean of both directions (a NaN entry marks a direction not measured);
 //! 2. per rank, sort the others by the metric (in log scale) and take those before the first ratio of
-//!    at least [`ProbeOptions::gap_factor`] as its near set; a row without such a jump is *alike* when
+//!    at least [`ProbeOptions::gap_factor`] (or before the widest such ratio, see [`GapRule`]) as its
+//!    near set; a row without such a jump is *alike* when
 //!    it spans less than the factor (all peers near) and *unclear* otherwise (no peer near: keeping a
 //!    rank apart only costs speed, grouping it wrongly would break shared memory);
 //! 3. with both metrics, a rank's near set is what the metrics that show a jump agree on; optional
@@ -26,9 +28,23 @@ use crate::model::{Link, LinkClass, Source, Topology};
 /// nearest rank on another host, while measurements of one kind of link may vary by less than that.
 pub const DEFAULT_GAP_FACTOR: f64 = 2.0;
 
+/// Which jump in a rank's sorted row separates its host from the rest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GapRule {
+    /// The first jump of at least the gap factor: right when other hosts sit at several distances
+    /// (racks, switches), wrong when measurements inside a host spread by more than the factor.
+    #[default]
+    First,
+    /// The widest jump, if at least the gap factor: right when measurements inside a host spread (a busy
+    /// machine), wrong when distances to other hosts differ by more than the step to the network.
+    Widest,
+}
+
 /// How [`infer_hosts`] decides.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ProbeOptions {
+    /// Which jump counts (default [`GapRule::First`]).
+    pub rule: GapRule,
     /// The ratio (> 1) between consecutive sorted measurements that separates same-host peers from the rest.
     pub gap_factor: f64,
     /// One-way latency in seconds above which two ranks are never on one host.
@@ -40,6 +56,7 @@ pub struct ProbeOptions {
 impl Default for ProbeOptions {
     fn default() -> Self {
         ProbeOptions {
+            rule: GapRule::First,
             gap_factor: DEFAULT_GAP_FACTOR,
             max_same_host_latency: None,
             min_same_host_bandwidth: None,
@@ -75,7 +92,7 @@ struct Metric {
 }
 
 enum Row {
-    /// The ranks before the first large jump.
+    /// The ranks before the chosen jump.
     Gap(Vec<usize>),
     /// No jump, and the row spans less than the factor.
     Alike,
@@ -194,7 +211,10 @@ fn infer(
     let mut limited = false;
     let mut all_alike = true;
     for (i, near_i) in near.iter_mut().enumerate() {
-        let rows: Vec<Row> = metrics.iter().map(|m| classify(&m.dist, i, gap)).collect();
+        let rows: Vec<Row> = metrics
+            .iter()
+            .map(|m| classify(&m.dist, i, gap, options.rule))
+            .collect();
         // The near set of each metric that shows a jump, as a membership mask.
         let masks: Vec<Vec<bool>> = rows
             .iter()
@@ -443,7 +463,7 @@ fn symmetrize(
     Ok(d)
 }
 
-fn classify(dist: &[Vec<f64>], i: usize, gap: f64) -> Row {
+fn classify(dist: &[Vec<f64>], i: usize, gap: f64, rule: GapRule) -> Row {
     let mut others: Vec<(f64, usize)> = dist[i]
         .iter()
         .enumerate()
@@ -451,7 +471,15 @@ fn classify(dist: &[Vec<f64>], i: usize, gap: f64) -> Row {
         .map(|(j, &v)| (v, j))
         .collect();
     others.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-    if let Some(k) = others.windows(2).position(|w| w[1].0 - w[0].0 >= gap) {
+    let jumps = others.windows(2).map(|w| w[1].0 - w[0].0).enumerate();
+    let cut = match rule {
+        GapRule::First => jumps.clone().find(|&(_, d)| d >= gap),
+        GapRule::Widest => jumps
+            .clone()
+            .filter(|&(_, d)| d >= gap)
+            .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0))),
+    };
+    if let Some((k, _)) = cut {
         return Row::Gap(others[..=k].iter().map(|&(_, j)| j).collect());
     }
     match (others.first(), others.last()) {

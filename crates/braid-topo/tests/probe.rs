@@ -2,7 +2,7 @@
 
 mod common;
 
-use braid_topo::{infer_hosts, infer_topology, Error, LinkClass, ProbeOptions, Source};
+use braid_topo::{infer_hosts, infer_topology, Error, GapRule, LinkClass, ProbeOptions, Source};
 use common::Rng;
 use proptest::prelude::*;
 
@@ -411,4 +411,46 @@ fn a_large_world_is_recovered() {
     assert_eq!(inf.groups, w.expected_groups(), "{}", inf.reason);
     assert!(inf.reason.starts_with("64 hosts (8+8+"), "{}", inf.reason);
     assert!(inf.topology().unwrap().is_uniform());
+}
+
+#[test]
+fn the_widest_rule_keeps_a_spread_host_together() {
+    // Bandwidths measured on a busy machine: inside host {1, 3, 5} they spread over 7×; every link
+    // to the other host runs at about 35 MB/s.
+    const MB: f64 = 1e6;
+    let mut bw = vec![vec![35.0 * MB; 6]; 6];
+    for (a, b, v) in [
+        (1, 3, 300.0),
+        (3, 5, 1800.0),
+        (1, 5, 520.0),
+        (0, 2, 600.0),
+        (2, 4, 700.0),
+        (0, 4, 650.0),
+    ] {
+        bw[a][b] = v * MB;
+        bw[b][a] = v * MB;
+    }
+    let first = infer_hosts(None, Some(&bw), &ProbeOptions::default()).unwrap();
+    let widest = infer_hosts(
+        None,
+        Some(&bw),
+        &ProbeOptions {
+            rule: GapRule::Widest,
+            ..ProbeOptions::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        widest.groups,
+        vec![vec![0, 2, 4], vec![1, 3, 5]],
+        "{}",
+        widest.reason
+    );
+    assert_ne!(first.groups, widest.groups, "{}", first.reason);
+    assert!(
+        widest.confidence > first.confidence,
+        "{} vs {}",
+        widest.confidence,
+        first.confidence
+    );
 }

@@ -139,9 +139,39 @@ fn choose_topology(
         t
     } else if let (true, Some(t)) = (config.topo_probe, transport) {
         let (lat, bw) = crate::probe::measure(t, rank, world, deadline)?;
-        let (topology, inference) =
-            braid_topo::infer_topology(Some(&lat), Some(&bw), &braid_topo::ProbeOptions::default())
-                .map_err(|e| Error::Bootstrap(format!("BRAID_TOPO_PROBE: {e}")))?;
+        if rank == 0 {
+            debug!(
+                ?lat,
+                ?bw,
+                "probe: one-way latency (s) and bandwidth (B/s), [from][to]"
+            );
+        }
+        // Hosts are told apart by bandwidth: over TCP, loopback and a network link can show similar
+        // latencies on a busy machine, while their bandwidths stay far apart. Latency is kept on the
+        // links for the tuner.
+        // The first large jump in each rank's row is the default rule; when it leaves doubt (a busy
+        // machine spreads the measurements inside a host), the widest jump is tried too, and the more
+        // confident reading wins.
+        let infer = |rule| {
+            let options = braid_topo::ProbeOptions {
+                rule,
+                ..braid_topo::ProbeOptions::default()
+            };
+            braid_topo::infer_topology(None, Some(&bw), &options)
+                .map_err(|e| Error::Bootstrap(format!("BRAID_TOPO_PROBE: {e}")))
+        };
+        let (mut topology, mut inference) = infer(braid_topo::GapRule::First)?;
+        if inference.confidence < 1.0 {
+            let (t, i) = infer(braid_topo::GapRule::Widest)?;
+            if i.confidence > inference.confidence {
+                (topology, inference) = (t, i);
+            }
+        }
+        for link in &mut topology.links {
+            let [i, j] = link.ranks;
+            let l = lat[i][j].min(lat[j][i]);
+            link.latency = (l.is_finite() && l > 0.0).then_some(l);
+        }
         if rank == 0 {
             tracing::info!(
                 groups = ?inference.groups,
