@@ -16,7 +16,8 @@
 #   --burst BYTES  the bucket's size (default: 1 ms at RATE, at least 16 KiB and one packet).
 #   --delay TIME   add a fixed delay to each host's egress (tc netem), e.g. 1ms, 250us.
 #
-# Without --prefix, `up` picks braidt-XXXXXX and prints it; the other commands take the prefix from
+# Without --prefix, `up` takes $BRAIDT_PREFIX, or else braidt- and six random hex digits (braidt-3fa91c),
+# and prints it; the other commands take the prefix from
 # --prefix, then from $BRAIDT_PREFIX, then from the only set of hosts up (they refuse to guess among
 # several). `down` is idempotent; `down --all` removes every braidt-* set. A failed `up` removes what it
 # made. Needs root (or CAP_SYS_ADMIN and CAP_NET_ADMIN) and iproute2; --rate needs the kernel's sch_tbf,

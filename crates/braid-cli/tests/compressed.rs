@@ -16,12 +16,7 @@ use common::{braid_run, braid_segments, show};
 // Rank side.
 
 fn rank_main(scenario: &str, args: &[String]) -> i32 {
-    // Pretend hosts of `TEST_RANKS_PER_HOST` ranks: shared memory inside, TCP and hier across.
-    if let Ok(per) = std::env::var("TEST_RANKS_PER_HOST") {
-        let rank: usize = std::env::var("BRAID_RANK").unwrap().parse().unwrap();
-        let per: usize = per.parse().unwrap();
-        std::env::set_var("BRAID_HOST_ID", format!("test-host-{}", rank / per));
-    }
+    common::pretend_hosts_from_env();
     // The configuration comes first: a bad variable must be reported whatever else happens.
     if scenario == "env" {
         match CompressionConfig::from_env() {

@@ -129,13 +129,7 @@ fn scenario_matrix(c: &Communicator) -> usize {
 }
 
 fn rank_main(scenario: &str, args: &[String]) -> i32 {
-    // Pretend ranks live on hosts of `TEST_RANKS_PER_HOST` ranks each (shared memory inside a host,
-    // TCP between hosts).
-    if let Ok(per) = std::env::var("TEST_RANKS_PER_HOST") {
-        let rank: usize = std::env::var("BRAID_RANK").unwrap().parse().unwrap();
-        let per: usize = per.parse().unwrap();
-        std::env::set_var("BRAID_HOST_ID", format!("test-host-{}", rank / per));
-    }
+    common::pretend_hosts_from_env();
     let c = match Communicator::from_env() {
         Ok(c) => c,
         Err(e) => {

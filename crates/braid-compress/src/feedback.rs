@@ -128,6 +128,37 @@ pub struct Stats {
 }
 
 impl Stats {
+    /// The statistics of a step on a tensor of `len` elements: `norms` are (gradient, clip scale,
+    /// residual, new error), `staleness` is observed after the step's update (its first bucket counts the
+    /// elements updated), `wire_bytes` what the encoding took.
+    pub fn from_step(
+        len: usize,
+        norms: (f64, f32, f64, f64),
+        wire_bytes: usize,
+        staleness: StalenessHistogram,
+    ) -> Stats {
+        let (grad_norm, clip_scale, residual_norm, error_norm) = norms;
+        Stats {
+            len,
+            grad_norm,
+            clip_scale,
+            residual_norm,
+            compression_error: if residual_norm > 0.0 {
+                error_norm / residual_norm
+            } else {
+                0.0
+            },
+            density: if len == 0 {
+                1.0
+            } else {
+                staleness.buckets[0] as f64 / len as f64
+            },
+            wire_bytes,
+            dense_bytes: 4 * len,
+            staleness,
+        }
+    }
+
     /// `dense_bytes / wire_bytes`.
     pub fn compression_ratio(&self) -> f64 {
         self.dense_bytes as f64 / self.wire_bytes as f64
@@ -299,26 +330,12 @@ impl ErrorFeedback {
         }
         let error_norm = l2_norm(&self.error);
         let staleness = self.staleness.observe(&self.update)?;
-        let nonzero = staleness.buckets[0];
-        let stats = Stats {
+        let stats = Stats::from_step(
             len,
-            grad_norm,
-            clip_scale,
-            residual_norm,
-            compression_error: if residual_norm > 0.0 {
-                error_norm / residual_norm
-            } else {
-                0.0
-            },
-            density: if len == 0 {
-                1.0
-            } else {
-                nonzero as f64 / len as f64
-            },
-            wire_bytes: compressed.wire_bytes(),
-            dense_bytes: compressed.dense_bytes(),
+            (grad_norm, clip_scale, residual_norm, error_norm),
+            compressed.wire_bytes(),
             staleness,
-        };
+        );
         Ok((compressed, stats))
     }
 

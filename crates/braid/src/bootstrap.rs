@@ -12,6 +12,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use braid_core::Error;
+use braid_transport::tcp::same_secret;
 use tracing::{debug, warn};
 
 use crate::id::UniqueId;
@@ -62,11 +63,6 @@ fn recv(stream: &mut TcpStream, deadline: Instant, what: &str) -> Result<Msg, Er
 
 fn send(stream: &mut TcpStream, msg: &Msg, what: &str) -> Result<(), Error> {
     write_frame(stream, msg).map_err(|e| Error::io(what.to_string(), e))
-}
-
-/// Compares secrets in constant time.
-fn same_secret(a: &[u8; 16], b: &[u8; 16]) -> bool {
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Joins the communicator named by `id` as `rank`; returns everyone's info (indexed by rank) and the

@@ -619,28 +619,8 @@ fn stats_for(
     norms: (f64, f32, f64, f64),
     wire_bytes: usize,
 ) -> Stats {
-    let (grad_norm, clip_scale, residual_norm, error_norm) = norms;
-    let len = update.len();
     let staleness = staleness.observe(update).expect("lengths checked");
-    Stats {
-        len,
-        grad_norm,
-        clip_scale,
-        residual_norm,
-        compression_error: if residual_norm > 0.0 {
-            error_norm / residual_norm
-        } else {
-            0.0
-        },
-        density: if len == 0 {
-            1.0
-        } else {
-            staleness.buckets[0] as f64 / len as f64
-        },
-        wire_bytes,
-        dense_bytes: 4 * len,
-        staleness,
-    }
+    Stats::from_step(update.len(), norms, wire_bytes, staleness)
 }
 
 /// Element ranges of the `n` shards of the two-phase path: block-aligned, so that a shard's encoding is

@@ -38,6 +38,16 @@ pub fn braid_segments() -> Vec<(String, u32)> {
         .unwrap_or_default()
 }
 
+/// On the rank side: pretend ranks live on hosts of `TEST_RANKS_PER_HOST` ranks each (shared memory
+/// inside a host, TCP between hosts) by setting `BRAID_HOST_ID` before the communicator starts.
+pub fn pretend_hosts_from_env() {
+    if let Ok(per) = std::env::var("TEST_RANKS_PER_HOST") {
+        let rank: usize = std::env::var("BRAID_RANK").unwrap().parse().unwrap();
+        let per: usize = per.parse().unwrap();
+        std::env::set_var("BRAID_HOST_ID", format!("test-host-{}", rank / per));
+    }
+}
+
 /// A finished process's status and output, for assertion messages.
 pub fn show(o: &Output) -> String {
     format!(
