@@ -137,7 +137,10 @@ pub(crate) fn wait_until(
         if ctx.abort.load(Ordering::Relaxed) {
             return Err(ctx.aborted());
         }
-        check()?;
+        // A peer that posted its last message and then went away has still delivered it.
+        if let Err(e) = check() {
+            return if ready() { Ok(()) } else { Err(e) };
+        }
         let now = Instant::now();
         if now >= ctx.deadline {
             return Err(ctx.timeout(peer, what));

@@ -139,7 +139,7 @@ impl TcpEndpoint {
         let shared = Arc::new(Shared {
             shutdown: AtomicBool::new(false),
             inbound: (0..opts.world)
-                .map(|p| remote[p].then(|| Inbound::new(opts.slots, opts.slot_bytes)))
+                .map(|p| remote[p].then(|| Inbound::new(opts.slots, opts.slot_bytes, k)))
                 .collect(),
             sockets: Mutex::new(Vec::new()),
         });
@@ -417,10 +417,13 @@ struct Inbound {
     reader_waiting: AtomicU32,
     failed: AtomicBool,
     reason: Mutex<String>,
+    /// Connections from this peer still open; a clean close counts as a failure only once the last one
+    /// has closed, so parts still arriving on the others are delivered.
+    open: AtomicU32,
 }
 
 impl Inbound {
-    fn new(slots: usize, slot_bytes: usize) -> Inbound {
+    fn new(slots: usize, slot_bytes: usize, connections: usize) -> Inbound {
         let z = |_| AtomicU32::new(0);
         Inbound {
             mem: (0..slots).map(|_| SlotMem::new(slot_bytes)).collect(),
@@ -433,6 +436,7 @@ impl Inbound {
             reader_waiting: AtomicU32::new(0),
             failed: AtomicBool::new(false),
             reason: Mutex::new(String::new()),
+            open: AtomicU32::new(connections as u32),
         }
     }
 
@@ -483,7 +487,12 @@ fn reader(sh: Arc<Shared>, mut s: TcpStream, p: usize, j: usize, opts: TcpOption
         let mut hb = [0u8; frame::PART_LEN];
         match read_full(&mut s, &mut hb) {
             Ok(true) => {}
-            Ok(false) => return fail("closed the connection".into()),
+            Ok(false) => {
+                if ib.open.fetch_sub(1, Ordering::AcqRel) == 1 {
+                    fail("closed the connection".into());
+                }
+                return;
+            }
             Err(e) => return fail(format!("connection failed: {e}")),
         }
         let h = match PartHeader::decode(&hb, next, j, opts.sockets_per_peer, opts.slot_bytes) {
