@@ -35,28 +35,6 @@ impl DebugLevel {
     }
 }
 
-/// Which transport connects ranks (`BRAID_TRANSPORT`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TransportKind {
-    /// Shared memory between ranks of one host, TCP between hosts (the default).
-    Auto,
-    /// Shared memory only: every rank must be on one host.
-    Shm,
-    /// TCP between every pair of ranks, even on one host.
-    Tcp,
-}
-
-impl TransportKind {
-    /// The name `BRAID_TRANSPORT` accepts.
-    pub fn name(self) -> &'static str {
-        match self {
-            TransportKind::Auto => "auto",
-            TransportKind::Shm => "shm",
-            TransportKind::Tcp => "tcp",
-        }
-    }
-}
-
 /// Tunables of a communicator. [`Config::default`] holds the built-in defaults; [`Config::from_env`]
 /// applies the environment on top of them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,8 +65,9 @@ pub struct Config {
     /// Log the flight recorder (the last collectives) when a collective fails (`BRAID_DUMP_ON_TIMEOUT`,
     /// default on).
     pub dump_on_timeout: bool,
-    /// Which transport connects ranks (`BRAID_TRANSPORT`: `auto`, `shm` or `tcp`; default `auto`).
-    pub transport: TransportKind,
+    /// Which transports may connect ranks, in order of preference (`BRAID_TRANSPORT`: `auto`, or a
+    /// comma-separated list such as `tcp` or `shm,tcp`; default `auto`). braid-transport checks the names.
+    pub transport: String,
     /// TCP connections per pair of ranks and direction; each message is split across them
     /// (`BRAID_SOCKETS_PER_PEER`, default 1).
     pub sockets_per_peer: usize,
@@ -123,7 +102,7 @@ impl Default for Config {
             debug: DebugLevel::Error,
             debug_checks: false,
             dump_on_timeout: true,
-            transport: TransportKind::Auto,
+            transport: "auto".into(),
             sockets_per_peer: 1,
             socket_ifname: None,
             host_id: None,
@@ -199,16 +178,8 @@ impl Config {
             c.dump_on_timeout = parse_bool("BRAID_DUMP_ON_TIMEOUT", &v)?;
         }
         if let Some(v) = lookup("BRAID_TRANSPORT") {
-            c.transport = match v.trim().to_ascii_lowercase().as_str() {
-                "" | "auto" => TransportKind::Auto,
-                "shm" => TransportKind::Shm,
-                "tcp" => TransportKind::Tcp,
-                _ => {
-                    return Err(Error::invalid(format!(
-                        "BRAID_TRANSPORT={v:?} is not a transport (auto, shm, tcp)"
-                    )))
-                }
-            };
+            let t = v.trim().to_ascii_lowercase();
+            c.transport = if t.is_empty() { "auto".into() } else { t };
         }
         if let Some(v) = lookup("BRAID_SOCKETS_PER_PEER") {
             c.sockets_per_peer = parse_num("BRAID_SOCKETS_PER_PEER", &v, 1, 16)? as usize;
@@ -284,7 +255,7 @@ mod tests {
         assert_eq!(c.slots, 4);
         assert_eq!(c.algo.as_deref(), Some("Direct"));
         assert_eq!(c.debug, DebugLevel::Info);
-        assert_eq!(c.transport, TransportKind::Tcp);
+        assert_eq!(c.transport, "tcp");
         assert_eq!(c.sockets_per_peer, 4);
         assert_eq!(c.socket_ifname.as_deref(), Some("eth,^docker"));
         assert_eq!(c.host_id.as_deref(), Some("node-7"));
@@ -298,7 +269,6 @@ mod tests {
             ("BRAID_CHUNK_BYTES", "8"),
             ("BRAID_SLOTS", "1"),
             ("BRAID_DEBUG", "loud"),
-            ("BRAID_TRANSPORT", "carrier-pigeon"),
             ("BRAID_SOCKETS_PER_PEER", "0"),
             ("BRAID_SOCKETS_PER_PEER", "99"),
         ] {

@@ -78,6 +78,9 @@ pub enum Error {
         /// The OS error.
         message: String,
     },
+    /// An invariant of braid itself was broken (a bug); the communicator is unusable.
+    #[error("internal error: {0}")]
+    Internal(String),
     /// An earlier error left this communicator unusable.
     #[error("rank {rank}: communicator is unusable after an earlier error: {first}")]
     Poisoned {

@@ -20,6 +20,6 @@ mod error;
 pub mod exact;
 pub mod reduce;
 
-pub use config::{parse_bool, Config, DebugLevel, TransportKind};
+pub use config::{parse_bool, Config, DebugLevel};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};

@@ -98,12 +98,14 @@ fn process_state(pid: u32) -> Option<char> {
 /// Slice of a blocking wait between checks of deadline, abort and liveness.
 const SLICE: Duration = Duration::from_millis(5);
 
-/// Waits until `ready()` holds. `word` is the futex word the other side bumps (and wakes when `flag` is
-/// set); `check` is asked, between sleeps, whether the peer has failed.
+/// Waits until `ready()` holds or `until` passes (whichever is first; `Ok` either way). `word` is the
+/// futex word the other side bumps (and wakes when `flag` is set); `check` is asked, between sleeps,
+/// whether the peer has failed. Passing `ctx.deadline` is a timeout.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn wait_until(
     policy: &WaitPolicy,
     ctx: &WaitCtx<'_>,
+    until: Instant,
     peer: usize,
     what: &str,
     word: &AtomicU32,
@@ -145,13 +147,16 @@ pub(crate) fn wait_until(
         if now >= ctx.deadline {
             return Err(ctx.timeout(peer, what));
         }
+        if now >= until {
+            return Ok(());
+        }
         flag.store(1, Ordering::SeqCst);
         let seen = word.load(Ordering::SeqCst);
         if ready() {
             flag.store(0, Ordering::Relaxed);
             return Ok(());
         }
-        futex_wait(word, seen, SLICE.min(ctx.deadline - now));
+        futex_wait(word, seen, SLICE.min(ctx.deadline.min(until) - now));
         flag.store(0, Ordering::Relaxed);
         if ready() {
             return Ok(());
@@ -236,8 +241,18 @@ mod tests {
             started: now,
             abort: &abort,
         };
-        let e =
-            wait_until(&policy, &ctx, 1, "data", &word, &flag, || false, || Ok(())).unwrap_err();
+        let e = wait_until(
+            &policy,
+            &ctx,
+            ctx.deadline,
+            1,
+            "data",
+            &word,
+            &flag,
+            || false,
+            || Ok(()),
+        )
+        .unwrap_err();
         assert!(matches!(e, Error::Timeout { seq: 3, .. }), "{e}");
         assert!(now.elapsed() >= Duration::from_millis(30));
         abort.store(true, Ordering::Relaxed);
@@ -245,8 +260,18 @@ mod tests {
             deadline: Instant::now() + Duration::from_secs(60),
             ..ctx
         };
-        let e =
-            wait_until(&policy, &ctx, 1, "data", &word, &flag, || false, || Ok(())).unwrap_err();
+        let e = wait_until(
+            &policy,
+            &ctx,
+            ctx.deadline,
+            1,
+            "data",
+            &word,
+            &flag,
+            || false,
+            || Ok(()),
+        )
+        .unwrap_err();
         assert!(matches!(e, Error::Aborted { .. }), "{e}");
     }
 
@@ -279,6 +304,7 @@ mod tests {
         wait_until(
             &policy,
             &ctx,
+            ctx.deadline,
             1,
             "data",
             &word,

@@ -11,16 +11,13 @@ use std::any::Any;
 use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use braid_core::{Config, DType, Element, Error, ReduceOp, TransportKind};
-use braid_transport::shm::{Layout, Segment, ShmTransport};
-use braid_transport::tcp::{self, TcpEndpoint, TcpOptions};
-use braid_transport::{Handle, Route, Transport, WaitPolicy};
+use braid_core::{Config, DType, Element, Error, ReduceOp};
+use braid_transport::{AbortHandle, Geometry, Link, Router, Setup, SetupCtx, WaitPolicy};
 use parking_lot::{Condvar, Mutex};
 use tracing::{debug, error};
 
@@ -56,7 +53,7 @@ struct Inner {
     abort: Arc<AtomicBool>,
     shutdown: AtomicBool,
     sticky: Mutex<Option<Error>>,
-    maps: Option<Handle>,
+    maps: Arc<dyn AbortHandle>,
     recorder: crate::recorder::Recorder,
     progress: Mutex<Option<JoinHandle<()>>>,
 }
@@ -126,7 +123,7 @@ impl<R: 'static> Work<R> {
 fn choose_topology(
     config: &Config,
     table: &[PeerInfo],
-    transport: Option<&Transport>,
+    transport: Option<&Router>,
     rank: usize,
     deadline: Instant,
 ) -> Result<braid_topo::Topology, Error> {
@@ -213,39 +210,6 @@ fn measured_tcp_link(t: &braid_topo::Topology) -> Option<crate::tune::LinkParams
         beta_us_per_byte: 1e6 / bandwidth,
         gamma_us_per_byte: crate::tune::LinkParams::SHM_DEFAULT.gamma_us_per_byte,
     })
-}
-
-/// How this rank reaches each peer: shared memory when both are on one host and both have a segment,
-/// TCP otherwise. Both sides of a pair decide alike from the same table.
-fn routes(rank: usize, table: &[PeerInfo], config: &Config) -> Result<Vec<Route>, Error> {
-    let me = &table[rank];
-    table
-        .iter()
-        .enumerate()
-        .map(|(p, info)| {
-            if p == rank {
-                return Ok(Route::Local);
-            }
-            if info.host == me.host && !info.shm_path.is_empty() && !me.shm_path.is_empty() {
-                return Ok(Route::Shm);
-            }
-            if me.tcp_addr.is_empty() || info.tcp_addr.is_empty() {
-                let why = if info.host != me.host {
-                    format!(
-                        "rank {p} runs on another host ({}) than rank {rank} ({})",
-                        info.host, me.host
-                    )
-                } else {
-                    format!("ranks {rank} and {p} have no transport in common")
-                };
-                return Err(Error::Bootstrap(format!(
-                    "{why}, and TCP is off on one of them (BRAID_TRANSPORT={} here; use auto or tcp on every rank)",
-                    config.transport.name()
-                )));
-            }
-            Ok(Route::Tcp)
-        })
-        .collect()
 }
 
 /// This host's identity: hostname, boot id and network namespace, so that containers or network
@@ -342,133 +306,58 @@ impl Communicator {
         );
         let deadline = Instant::now() + config.timeout;
         let slot_bytes = config.chunk_bytes.next_multiple_of(64);
-        let layout = Layout {
+        let geometry = Geometry {
+            rank,
             world,
+            channels: 1,
             slots: config.slots,
             slot_bytes,
         };
         let host = config.host_id.clone().unwrap_or_else(host_identity);
-        let endpoint = if world > 1 && config.transport != TransportKind::Shm {
-            let ip = tcp::choose_ip(config.socket_ifname.as_deref(), id.addr())?;
-            Some(TcpEndpoint::bind(ip)?)
-        } else {
-            None
-        };
-        let own = if world > 1 && config.transport != TransportKind::Tcp {
-            braid_transport::shm::sweep_stale(std::path::Path::new("/dev/shm"));
-            let nonce = random_secret()?;
-            let name = format!(
-                "braid-{}-r{rank}",
-                crate::id::format_secret(&nonce)[..16].to_owned()
-            );
-            Some(Segment::create(
-                &PathBuf::from("/dev/shm").join(name),
-                layout,
-                rank,
-            )?)
-        } else {
-            None
-        };
+        let choice = braid_transport::transports(&config, world, id.addr())?;
+        let nonce = random_secret()?;
+        let setup = Setup::prepare(
+            choice,
+            SetupCtx {
+                geometry,
+                secret: *id.secret(),
+                nonce: u64::from_le_bytes(nonce[..8].try_into().expect("8 bytes")),
+                policy: WaitPolicy::for_host(1, config.spin_us),
+                deadline,
+            },
+        )?;
         let me = PeerInfo {
             pid: std::process::id(),
             host,
-            shm_path: own
-                .as_ref()
-                .map(|s| s.path().display().to_string())
-                .unwrap_or_default(),
-            tcp_addr: endpoint
-                .as_ref()
-                .map(|e| e.addr().to_string())
-                .unwrap_or_default(),
+            endpoints: setup.endpoints(),
         };
         let agreed = Agreed {
             world,
-            slots: layout.slots as u32,
-            slot_bytes: layout.slot_bytes as u32,
+            slots: geometry.slots as u32,
+            slot_bytes: geometry.slot_bytes as u32,
         };
         let (table, mut links) = bootstrap::join(id, rank, agreed, me.clone(), deadline)?;
         let transport = if world == 1 {
-            None
+            Router::single(geometry)
         } else {
-            let routes = routes(rank, &table, &config)?;
             let local = table.iter().filter(|i| i.host == me.host).count();
             let policy = WaitPolicy::for_host(local, config.spin_us);
-            let shm = match own {
-                Some(own) if routes.contains(&Route::Shm) => {
-                    let mut peers = Vec::with_capacity(world);
-                    for (p, info) in table.iter().enumerate() {
-                        peers.push(if routes[p] == Route::Shm {
-                            Some(Segment::open(
-                                std::path::Path::new(&info.shm_path),
-                                layout,
-                                p,
-                            )?)
-                        } else {
-                            None
-                        });
-                    }
-                    Some((own, peers))
-                }
-                // Nobody maps it: it goes when dropped.
-                _ => None,
-            };
-            let tcp = match endpoint {
-                Some(ep) if routes.contains(&Route::Tcp) => {
-                    let addrs = table
-                        .iter()
-                        .enumerate()
-                        .map(|(p, info)| {
-                            if routes[p] != Route::Tcp {
-                                return Ok(None);
-                            }
-                            info.tcp_addr.parse().map(Some).map_err(|_| {
-                                Error::Bootstrap(format!(
-                                    "rank {p} published no usable TCP address ({:?})",
-                                    info.tcp_addr
-                                ))
-                            })
-                        })
-                        .collect::<Result<Vec<_>, Error>>()?;
-                    let opts = TcpOptions {
-                        rank,
-                        world,
-                        slots: layout.slots,
-                        slot_bytes: layout.slot_bytes,
-                        sockets_per_peer: config.sockets_per_peer,
-                        secret: *id.secret(),
-                        policy,
-                    };
-                    Some(ep.connect(opts, &addrs, deadline)?)
-                }
-                _ => None,
-            };
-            // Everyone has mapped everyone and every connection is up: the names can go, so nothing
-            // outlives a killed process. A launcher stopping the job right now must not catch us
-            // between the two steps.
+            let connecting = setup.connect(&table, policy)?;
+            // Everyone has connected to everyone: what had to stay findable until now (names in
+            // /dev/shm) can go, so nothing outlives a killed process. A launcher stopping the job right
+            // now must not catch us between the two steps.
             let _hold = TerminationHold::new();
             links.barrier(1, deadline)?;
-            let shm = match shm {
-                Some((own, peers)) => {
-                    own.unlink()?;
-                    Some(ShmTransport::new(own, peers, policy))
-                }
-                None => None,
-            };
-            debug!(
-                rank,
-                routes = ?routes.iter().map(|r| r.name()).collect::<Vec<_>>(),
-                "transports ready"
-            );
-            Some(Transport::new(routes, shm, tcp))
+            let router = connecting.activate()?;
+            debug!(rank, routes = ?router.route_names(), "transports ready");
+            router
         };
         drop(links);
         let abort = Arc::new(AtomicBool::new(false));
-        let maps = transport.as_ref().map(Transport::handle);
+        let maps = transport.abort_handle();
         debug!(rank, world, "communicator ready");
-        let routes: Vec<&'static str> = match &transport {
-            Some(t) => t.routes().iter().map(|r| r.name()).collect(),
-            None => vec![Route::Local.name()],
-        };
+        let routes: Vec<&'static str> = transport.route_names().to_vec();
+        let transport = (world > 1).then_some(transport);
         let topology = choose_topology(&config, &table, transport.as_ref(), rank, deadline)?;
         let hosts = topology.host_groups();
         let mut executor =
@@ -594,9 +483,7 @@ impl Communicator {
             rank: inner.rank,
             during: String::new(),
         });
-        if let Some(m) = &inner.maps {
-            m.fail_and_wake();
-        }
+        inner.maps.fail_and_wake();
         inner.queued.notify_all();
     }
 
@@ -1190,9 +1077,7 @@ impl Inner {
             if !e.is_invalid_argument() {
                 error!("{e}");
                 self.sticky.lock().get_or_insert(e.clone());
-                if let Some(m) = &self.maps {
-                    m.fail_and_wake();
-                }
+                self.maps.fail_and_wake();
             }
         }
         r

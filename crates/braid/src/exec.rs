@@ -13,7 +13,133 @@ use std::time::Instant;
 use braid_core::reduce::{self, Src};
 use braid_core::{Config, DType, Error, ReduceOp};
 use braid_sched::{direct, hier, rhd, ring, tree, Action, Buf};
-use braid_transport::{RecvSlot, Transport, WaitCtx};
+use braid_transport::{Event, Link, RecvSlot, Router, SendSlot, WaitCtx};
+
+/// The channel every blocking collective uses.
+const CHANNEL: usize = 0;
+
+/// One op's view of the links: its channel and tag.
+struct Chan<'a> {
+    link: &'a dyn Link,
+    tag: u32,
+}
+
+impl<'a> Chan<'a> {
+    fn new(link: &'a dyn Link, seq: u64) -> Chan<'a> {
+        Chan {
+            link,
+            tag: seq as u32,
+        }
+    }
+
+    /// Waits for room for a message to `to` and hands out where to write it.
+    fn send_slot(&self, to: usize, ctx: &WaitCtx<'_>) -> Result<Out<'a>, Error> {
+        loop {
+            if let Some(slot) = self.link.try_reserve(to, CHANNEL, ctx)? {
+                return Ok(Out {
+                    link: self.link,
+                    tag: self.tag,
+                    slot,
+                });
+            }
+            self.link
+                .wait(to, CHANNEL, Event::Credit, ctx, ctx.deadline)?;
+        }
+    }
+
+    /// Waits for the next message from `from`, whatever its tag.
+    fn recv_any_tag(&self, from: usize, ctx: &WaitCtx<'_>) -> Result<In<'a>, Error> {
+        loop {
+            if let Some(slot) = self.link.try_recv(from, CHANNEL, ctx)? {
+                if slot.host_bytes().is_none() {
+                    let _ = self.link.release(slot);
+                    return Err(Error::Internal(
+                        "a host collective received a message in device memory".into(),
+                    ));
+                }
+                return Ok(In {
+                    link: self.link,
+                    slot: Some(slot),
+                });
+            }
+            self.link
+                .wait(from, CHANNEL, Event::Data, ctx, ctx.deadline)?;
+        }
+    }
+
+    /// Waits for the next message from `from`, which must carry this op's tag.
+    fn recv(&self, from: usize, ctx: &WaitCtx<'_>) -> Result<In<'a>, Error> {
+        let m = self.recv_any_tag(from, ctx)?;
+        let tag = m.slot.as_ref().map_or(self.tag, RecvSlot::tag);
+        if tag != self.tag {
+            return Err(Error::Mismatch {
+                rank: ctx.rank,
+                peer: from,
+                collective: ctx.collective.to_string(),
+                seq: ctx.seq,
+                detail: format!(
+                    "message belongs to collective #{tag}, this rank is at #{}",
+                    self.tag
+                ),
+            });
+        }
+        Ok(m)
+    }
+}
+
+/// A reserved slot being written.
+struct Out<'a> {
+    link: &'a dyn Link,
+    tag: u32,
+    slot: SendSlot,
+}
+
+impl Out<'_> {
+    fn data(&mut self) -> &mut [u8] {
+        let span = self.slot.span();
+        match span.host_ptr() {
+            // SAFETY: the reserved slot is ours to write until posted (which consumes `self`), and the
+            // link, borrowed for `'a`, keeps its memory alive.
+            Some(_) => unsafe { span.as_mut_slice() },
+            None => &mut [],
+        }
+    }
+
+    fn post(self, len: usize, ctx: &WaitCtx<'_>) -> Result<(), Error> {
+        self.link.post(self.slot, len, self.tag, ctx)
+    }
+}
+
+/// A received message; released when dropped.
+struct In<'a> {
+    link: &'a dyn Link,
+    slot: Option<RecvSlot>,
+}
+
+impl In<'_> {
+    fn data(&self) -> &[u8] {
+        self.slot
+            .as_ref()
+            .and_then(RecvSlot::host_bytes)
+            .unwrap_or_default()
+    }
+
+    fn done(mut self) -> Result<(), Error> {
+        match self.slot.take() {
+            Some(s) => self.link.release(s),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for In<'_> {
+    fn drop(&mut self) {
+        if let Some(s) = self.slot.take() {
+            // A release can only fail for a token the link did not make; this one it did.
+            let _ = self.link.release(s);
+        }
+    }
+}
 use tracing::{error, trace};
 
 use crate::recorder::Recorder;
@@ -163,7 +289,7 @@ pub(crate) struct Executor {
     pub world: usize,
     config: Config,
     pub tuner: Tuner,
-    transport: Option<Transport>,
+    transport: Option<Router>,
     abort: Arc<AtomicBool>,
     seq: u64,
     pub recorder: Recorder,
@@ -190,7 +316,7 @@ impl Executor {
         world: usize,
         config: Config,
         tuner: Tuner,
-        transport: Option<Transport>,
+        transport: Option<Router>,
         abort: Arc<AtomicBool>,
     ) -> Executor {
         Executor {
@@ -300,8 +426,8 @@ impl Executor {
             abort: &abort,
         };
         if let (Some(t), true) = (&self.transport, self.config.debug_checks) {
-            t.set_tag(seq as u32);
-            check_fingerprints(t, &ctx, self.world, op, seq)?;
+            let t = Chan::new(t, seq);
+            check_fingerprints(&t, &ctx, self.world, op, seq)?;
         }
         if op.count == 0 && op.kind != Kind::Barrier {
             return Ok(());
@@ -330,8 +456,8 @@ impl Executor {
         };
         let result = match &self.transport {
             Some(t) => {
-                t.set_tag(seq as u32);
-                plan.iter().try_for_each(|a| step(t, &ctx, &bufs, a))
+                let t = Chan::new(t, seq);
+                plan.iter().try_for_each(|a| step(&t, &ctx, &bufs, a))
             }
             None => plan.iter().try_for_each(|a| local_step(&bufs, a)),
         };
@@ -363,7 +489,7 @@ fn fingerprint(op: &Op, seq: u64) -> Fingerprint {
 
 /// Sends this rank's fingerprint to every peer and compares theirs with it (`BRAID_DEBUG_CHECKS`).
 fn check_fingerprints(
-    t: &Transport,
+    t: &Chan<'_>,
     ctx: &WaitCtx<'_>,
     world: usize,
     op: &Op,
@@ -379,8 +505,9 @@ fn check_fingerprints(
     let mut first_err = None;
     for k in 1..world {
         let p = (ctx.rank + world - k) % world;
-        let m = t.recv(p, ctx)?;
+        let m = t.recv_any_tag(p, ctx)?;
         let theirs = Fingerprint::decode(m.data());
+        m.done()?;
         let detail = match theirs {
             Ok(f) if f == mine => continue,
             Ok(f) => format!("rank {} runs {mine}; rank {p} runs {f}", ctx.rank),
@@ -425,7 +552,7 @@ fn expect_len(ctx: &WaitCtx<'_>, peer: usize, got: usize, want: usize) -> Result
 }
 
 /// Executes one action.
-fn step(t: &Transport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Result<(), Error> {
+fn step(t: &Chan<'_>, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Result<(), Error> {
     let op = bufs.op;
     let (dtype, es, acc) = (op.dtype, bufs.es, op.dtype.accumulator().size());
     match a {
@@ -546,10 +673,10 @@ fn step(t: &Transport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Result
         } => {
             // Up to 8 ranks (the latency-bound case) without touching the allocator.
             if *nranks <= 8 {
-                let mut slots: [Option<RecvSlot<'_>>; 8] = Default::default();
+                let mut slots: [Option<In<'_>>; 8] = Default::default();
                 reduce_all(t, ctx, bufs, input, output, &mut slots[..*nranks])?;
             } else {
-                let mut slots: Vec<Option<RecvSlot<'_>>> = (0..*nranks).map(|_| None).collect();
+                let mut slots: Vec<Option<In<'_>>> = (0..*nranks).map(|_| None).collect();
                 reduce_all(t, ctx, bufs, input, output, &mut slots)?;
             }
         }
@@ -560,12 +687,12 @@ fn step(t: &Transport, ctx: &WaitCtx<'_>, bufs: &Bufs<'_>, a: &Action) -> Result
 /// Receives `input`'s counterpart from every other rank and reduces all contributions in rank order
 /// into `output`.
 fn reduce_all<'t>(
-    t: &'t Transport,
+    t: &'t Chan<'t>,
     ctx: &WaitCtx<'_>,
     bufs: &Bufs<'_>,
     input: &Range<usize>,
     output: &Range<usize>,
-    slots: &mut [Option<RecvSlot<'t>>],
+    slots: &mut [Option<In<'t>>],
 ) -> Result<(), Error> {
     let op = bufs.op;
     for (p, slot) in slots.iter_mut().enumerate() {
@@ -580,7 +707,7 @@ fn reduce_all<'t>(
     } else {
         Src::Buf(bufs.input(input))
     };
-    fn src<'a>(slot: &'a Option<RecvSlot<'_>>, own: Src<'a>) -> Src<'a> {
+    fn src<'a>(slot: &'a Option<In<'_>>, own: Src<'a>) -> Src<'a> {
         slot.as_ref().map_or(own, |m| Src::Buf(m.data()))
     }
     let out = bufs.output(output);

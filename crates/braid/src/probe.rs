@@ -9,7 +9,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use braid_core::Error;
-use braid_transport::{Transport, WaitCtx};
+use braid_transport::{recv_with, send_bytes, Link, Router, WaitCtx};
 
 /// Round trips per pair for latency.
 const PINGS: usize = 30;
@@ -60,7 +60,7 @@ pub(crate) fn rounds(n: usize) -> usize {
 /// Measures one-way latency (seconds) and bandwidth (bytes per second) from this rank to every other
 /// rank; returns the full `n × n` matrices, as every rank sees them.
 pub(crate) fn measure(
-    t: &Transport,
+    t: &Router,
     rank: usize,
     world: usize,
     deadline: Instant,
@@ -75,7 +75,6 @@ pub(crate) fn measure(
         started: now,
         abort: &abort,
     };
-    t.set_tag(TAG);
     let mut lat = vec![f64::NAN; world];
     let mut bw = vec![f64::NAN; world];
     let bulk = t.slot_bytes().min(1 << 20);
@@ -85,12 +84,9 @@ pub(crate) fn measure(
             continue;
         };
         let lead = rank < p;
-        let send = |len: usize| -> Result<(), Error> {
-            let mut s = t.send_slot(p, &ctx)?;
-            s.data()[..len].fill(0x5a);
-            s.post(len, &ctx)
-        };
-        let recv = || -> Result<(), Error> { t.recv(p, &ctx).map(drop) };
+        let payload = vec![0x5au8; bulk];
+        let send = |len: usize| send_bytes(t, p, 0, &payload[..len], TAG, &ctx);
+        let recv = || -> Result<(), Error> { recv_with(t, p, 0, &ctx, |_, _| ()) };
         // Latency: ping-pong, the leader times it; one warm-up exchange first.
         let mut best = Duration::MAX;
         for i in 0..=PINGS {
@@ -144,9 +140,7 @@ pub(crate) fn measure(
     }
     for k in 1..world {
         let p = (rank + k) % world;
-        let mut s = t.send_slot(p, &ctx)?;
-        s.data()[..row.len()].copy_from_slice(&row);
-        s.post(row.len(), &ctx)?;
+        send_bytes(t, p, 0, &row, TAG, &ctx)?;
     }
     let mut lat_m = vec![vec![f64::NAN; world]; world];
     let mut bw_m = vec![vec![f64::NAN; world]; world];
@@ -154,8 +148,7 @@ pub(crate) fn measure(
     bw_m[rank].clone_from(&bw);
     for k in 1..world {
         let p = (rank + world - k) % world;
-        let m = t.recv(p, &ctx)?;
-        let d = m.data();
+        let d = recv_with(t, p, 0, &ctx, |d, _| d.to_vec())?;
         if d.len() != row.len() {
             return Err(Error::Bootstrap(format!(
                 "rank {p} sent a probe row of {} bytes, expected {}",

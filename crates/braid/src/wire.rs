@@ -15,7 +15,9 @@ pub const MAX_WORLD: usize = 1 << 16;
 /// Protocol magic at the start of every hello.
 pub const MAGIC: [u8; 8] = *b"BRAIDBS1";
 /// Protocol version.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
+/// Most transport endpoints one rank may publish.
+pub const MAX_ENDPOINTS: usize = 16;
 
 /// What a rank tells the root about itself.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,18 +36,9 @@ pub struct Hello {
     pub slot_bytes: u32,
 }
 
-/// A rank's identity as the others need it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PeerInfo {
-    /// Process id.
-    pub pid: u32,
-    /// Host identity (hostname and boot id); equal strings mean the same kernel.
-    pub host: String,
-    /// Path of the rank's shared-memory segment (empty without one).
-    pub shm_path: String,
-    /// Address where the rank accepts TCP connections from peers (empty without one).
-    pub tcp_addr: String,
-}
+/// A rank's identity as the others need it: its pid, its host identity and the endpoint bytes of each
+/// of its transports (opaque here: each transport encodes and checks its own).
+pub type PeerInfo = braid_transport::Peer;
 
 /// A bootstrap message.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -111,12 +104,35 @@ impl<'a> Reader<'a> {
         let b = self.take(len, what)?;
         String::from_utf8(b.to_vec()).map_err(|_| DecodeError(format!("{what} is not UTF-8")))
     }
+    fn bytes(&mut self, what: &str) -> Result<Vec<u8>, DecodeError> {
+        let len = self.u32(what)? as usize;
+        if len > MAX_STR {
+            return Err(DecodeError(format!(
+                "{what} of {len} bytes exceeds {MAX_STR}"
+            )));
+        }
+        Ok(self.take(len, what)?.to_vec())
+    }
     fn info(&mut self) -> Result<PeerInfo, DecodeError> {
+        let pid = self.u32("pid")?;
+        let host = self.string("host")?;
+        let n = self.u32("endpoint count")? as usize;
+        if n > MAX_ENDPOINTS {
+            return Err(DecodeError(format!(
+                "{n} transport endpoints exceed {MAX_ENDPOINTS}"
+            )));
+        }
+        let mut endpoints = Vec::with_capacity(n);
+        for _ in 0..n {
+            endpoints.push(braid_transport::Endpoint {
+                transport: self.string("transport name")?,
+                blob: self.bytes("endpoint")?,
+            });
+        }
         Ok(PeerInfo {
-            pid: self.u32("pid")?,
-            host: self.string("host")?,
-            shm_path: self.string("shm path")?,
-            tcp_addr: self.string("tcp address")?,
+            pid,
+            host,
+            endpoints,
         })
     }
     fn end(&self) -> Result<(), DecodeError> {
@@ -136,8 +152,12 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
 fn put_info(out: &mut Vec<u8>, i: &PeerInfo) {
     out.extend(i.pid.to_le_bytes());
     put_str(out, &i.host);
-    put_str(out, &i.shm_path);
-    put_str(out, &i.tcp_addr);
+    out.extend((i.endpoints.len() as u32).to_le_bytes());
+    for e in &i.endpoints {
+        put_str(out, &e.transport);
+        out.extend((e.blob.len() as u32).to_le_bytes());
+        out.extend(&e.blob);
+    }
 }
 
 impl Msg {
@@ -367,14 +387,22 @@ mod tests {
     use proptest::prelude::*;
 
     fn info() -> impl Strategy<Value = PeerInfo> {
-        (any::<u32>(), ".{0,40}", ".{0,80}", ".{0,50}").prop_map(
-            |(pid, host, shm_path, tcp_addr)| PeerInfo {
+        (
+            any::<u32>(),
+            ".{0,40}",
+            proptest::collection::vec(
+                ("[a-z]{1,8}", proptest::collection::vec(any::<u8>(), 0..80)),
+                0..4,
+            ),
+        )
+            .prop_map(|(pid, host, eps)| PeerInfo {
                 pid,
                 host,
-                shm_path,
-                tcp_addr,
-            },
-        )
+                endpoints: eps
+                    .into_iter()
+                    .map(|(transport, blob)| braid_transport::Endpoint { transport, blob })
+                    .collect(),
+            })
     }
 
     fn msg() -> impl Strategy<Value = Msg> {
@@ -459,8 +487,10 @@ mod tests {
             info: PeerInfo {
                 pid: 1,
                 host: "h".into(),
-                shm_path: "p".into(),
-                tcp_addr: String::new(),
+                endpoints: vec![braid_transport::Endpoint {
+                    transport: "shm".into(),
+                    blob: b"p".to_vec(),
+                }],
             },
             slots: 2,
             slot_bytes: 64,

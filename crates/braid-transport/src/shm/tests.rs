@@ -1,10 +1,16 @@
 use super::*;
+use crate::link::{recv_with, send_bytes};
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
-fn world(n: usize, slots: usize, slot_bytes: usize) -> Vec<ShmTransport> {
+fn world(n: usize, slots: usize, slot_bytes: usize) -> Vec<ShmLink> {
+    world_ch(n, 1, slots, slot_bytes)
+}
+
+fn world_ch(n: usize, channels: usize, slots: usize, slot_bytes: usize) -> Vec<ShmLink> {
     let layout = Layout {
         world: n,
+        channels,
         slots,
         slot_bytes,
     };
@@ -20,7 +26,7 @@ fn world(n: usize, slots: usize, slot_bytes: usize) -> Vec<ShmTransport> {
             let peers = (0..n)
                 .map(|p| (p != r).then(|| Segment::open(&path(p), layout, p).unwrap()))
                 .collect();
-            ShmTransport::new(
+            ShmLink::new(
                 seg,
                 peers,
                 WaitPolicy {
@@ -68,22 +74,21 @@ fn stream_of_messages_arrives_in_order_across_counter_wrap() {
         let abort = AtomicBool::new(false);
         for i in 0..n {
             let c = ctx(&abort, 10_000);
-            let mut s = a.send_slot(1, &c).unwrap();
             let len = (i % 200) as usize + 4;
-            s.data()[..4].copy_from_slice(&i.to_le_bytes());
-            s.data()[4..len].fill(i as u8);
-            s.post(len);
+            let mut m = vec![i as u8; len];
+            m[..4].copy_from_slice(&i.to_le_bytes());
+            send_bytes(&a, 1, 0, &m, i, &c).unwrap();
         }
         a
     });
     let abort = AtomicBool::new(false);
     for i in 0..n {
         let c = ctx(&abort, 10_000);
-        let m = b.recv(0, &c).unwrap();
+        let (m, tag) = recv_with(&b, 0, 0, &c, |d, t| (d.to_vec(), t)).unwrap();
         let len = (i % 200) as usize + 4;
-        assert_eq!(m.data().len(), len);
-        assert_eq!(u32::from_le_bytes(m.data()[..4].try_into().unwrap()), i);
-        assert!(m.data()[4..].iter().all(|x| *x == i as u8));
+        assert_eq!((m.len(), tag), (len, i));
+        assert_eq!(u32::from_le_bytes(m[..4].try_into().unwrap()), i);
+        assert!(m[4..].iter().all(|x| *x == i as u8));
     }
     sender.join().unwrap();
 }
@@ -93,41 +98,103 @@ fn credits_bound_the_sender_and_timeouts_name_the_peer() {
     let ts = world(2, 2, 64);
     let abort = AtomicBool::new(false);
     for _ in 0..2 {
-        ts[0].send_slot(1, &ctx(&abort, 1000)).unwrap().post(8);
+        send_bytes(&ts[0], 1, 0, &[1; 8], 0, &ctx(&abort, 1000)).unwrap();
     }
-    // Both slots are full: the third send waits for a credit and times out.
-    let e = ts[0].send_slot(1, &ctx(&abort, 50)).err().unwrap();
+    // Both slots are full: no credit, and a wait for one times out naming the peer.
+    assert!(ts[0].try_reserve(1, 0, &ctx(&abort, 50)).unwrap().is_none());
+    let c = ctx(&abort, 50);
+    let e = send_bytes(&ts[0], 1, 0, &[], 0, &c).unwrap_err();
     assert!(
         matches!(&e, Error::Timeout { peer: 1, what, .. } if what == "a free slot"),
         "{e}"
     );
     // Receiving one returns a credit.
-    drop(ts[1].recv(0, &ctx(&abort, 1000)).unwrap());
-    ts[0].send_slot(1, &ctx(&abort, 50)).unwrap().post(0);
+    recv_with(&ts[1], 0, 0, &ctx(&abort, 1000), |_, _| ()).unwrap();
+    send_bytes(&ts[0], 1, 0, &[], 0, &ctx(&abort, 50)).unwrap();
     // Nothing from rank 1: a receive times out naming it.
-    let e = ts[0].recv(1, &ctx(&abort, 30)).err().unwrap();
+    let e = recv_with(&ts[0], 1, 0, &ctx(&abort, 30), |_, _| ()).unwrap_err();
     assert!(
         matches!(&e, Error::Timeout { peer: 1, what, .. } if what == "data"),
         "{e}"
     );
+    // A wait that reaches its own limit before the deadline returns to the caller.
+    let c = ctx(&abort, 10_000);
+    let until = Instant::now() + Duration::from_millis(20);
+    ts[0].wait(1, 0, Event::Data, &c, until).unwrap();
+    assert!(Instant::now() >= until);
 }
 
 #[test]
-fn tag_mismatch_and_peer_failure_are_errors() {
+fn channels_are_independent_rings() {
+    let ts = world_ch(2, 3, 2, 64);
+    let abort = AtomicBool::new(false);
+    let c = ctx(&abort, 1000);
+    for ch in 0..3 {
+        for i in 0..2u8 {
+            send_bytes(
+                &ts[0],
+                1,
+                ch,
+                &[ch as u8, i],
+                (10 * ch) as u32 + i as u32,
+                &c,
+            )
+            .unwrap();
+        }
+        assert!(ts[0].try_reserve(1, ch, &c).unwrap().is_none());
+    }
+    for ch in (0..3).rev() {
+        for i in 0..2u8 {
+            let got = recv_with(&ts[1], 0, ch, &c, |d, t| (d.to_vec(), t)).unwrap();
+            assert_eq!(got, (vec![ch as u8, i], (10 * ch) as u32 + i as u32));
+        }
+    }
+    assert!(ts[0].try_reserve(1, 3, &c).is_err(), "channel out of range");
+}
+
+#[test]
+fn releases_may_come_later_but_in_order() {
+    let ts = world(2, 4, 64);
+    let abort = AtomicBool::new(false);
+    let c = ctx(&abort, 1000);
+    for i in 0..4u8 {
+        send_bytes(&ts[0], 1, 0, &[i], 0, &c).unwrap();
+    }
+    let held: Vec<RecvSlot> = (0..4)
+        .map(|_| ts[1].try_recv(0, 0, &c).unwrap().unwrap())
+        .collect();
+    assert_eq!(
+        held.iter()
+            .map(|m| m.host_bytes().unwrap()[0])
+            .collect::<Vec<_>>(),
+        [0, 1, 2, 3]
+    );
+    // Held slots are not free yet.
+    assert!(ts[0].try_reserve(1, 0, &c).unwrap().is_none());
+    let mut held = held.into_iter();
+    let first = held.next().unwrap();
+    let second = held.next().unwrap();
+    let e = ts[1].release(second).unwrap_err();
+    assert!(matches!(e, Error::Internal(_)), "{e}");
+    ts[1].release(first).unwrap();
+    let s = ts[0]
+        .try_reserve(1, 0, &c)
+        .unwrap()
+        .expect("one credit back");
+    ts[0].post(s, 0, 0, &c).unwrap();
+}
+
+#[test]
+fn tags_travel_and_peer_failure_is_an_error() {
     let ts = world(3, 2, 64);
     let abort = AtomicBool::new(false);
-    ts[0].set_tag(7);
-    ts[0].send_slot(1, &ctx(&abort, 1000)).unwrap().post(4);
-    ts[1].set_tag(8);
-    let e = ts[1].recv(0, &ctx(&abort, 1000)).err().unwrap();
-    assert!(
-        matches!(&e, Error::Mismatch { peer: 0, .. }) && e.to_string().contains("#7"),
-        "{e}"
-    );
+    send_bytes(&ts[0], 1, 0, &[0; 4], 7, &ctx(&abort, 1000)).unwrap();
+    let tag = recv_with(&ts[1], 0, 0, &ctx(&abort, 1000), |_, t| t).unwrap();
+    assert_eq!(tag, 7);
     // Rank 2 fails: rank 1 waiting on it gets an error naming it well before the deadline.
-    ts[2].mappings().fail_and_wake();
+    ts[2].abort_handle().fail_and_wake();
     let start = Instant::now();
-    let e = ts[1].recv(2, &ctx(&abort, 10_000)).err().unwrap();
+    let e = recv_with(&ts[1], 2, 0, &ctx(&abort, 10_000), |_, _| ()).unwrap_err();
     assert!(matches!(&e, Error::PeerFailed { peer: 2, .. }), "{e}");
     assert!(start.elapsed() < Duration::from_secs(5));
 }
@@ -136,14 +203,14 @@ fn tag_mismatch_and_peer_failure_are_errors() {
 fn abort_from_another_thread_unblocks_a_wait() {
     let ts = world(2, 2, 64);
     let abort = std::sync::Arc::new(AtomicBool::new(false));
-    let maps = ts[0].mappings();
+    let maps = ts[0].abort_handle();
     let a2 = abort.clone();
     let t = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(50));
         a2.store(true, Ordering::SeqCst);
         maps.wake_all();
     });
-    let e = ts[0].recv(1, &ctx(&abort, 60_000)).err().unwrap();
+    let e = recv_with(&ts[0], 1, 0, &ctx(&abort, 60_000), |_, _| ()).unwrap_err();
     assert!(matches!(e, Error::Aborted { .. }), "{e}");
     t.join().unwrap();
 }
@@ -152,6 +219,7 @@ fn abort_from_another_thread_unblocks_a_wait() {
 fn open_rejects_a_foreign_or_mismatched_segment() {
     let layout = Layout {
         world: 2,
+        channels: 1,
         slots: 2,
         slot_bytes: 64,
     };
@@ -179,12 +247,12 @@ fn a_timeout_names_the_rank_at_the_end_of_the_chain_of_waits() {
     let t1 = ts.pop().unwrap();
     let waiter = std::thread::spawn(move || {
         let abort = AtomicBool::new(false);
-        let e = t1.recv(0, &ctx(&abort, 1500)).err().unwrap();
+        let e = recv_with(&t1, 0, 0, &ctx(&abort, 1500), |_, _| ()).unwrap_err();
         (e, t1)
     });
     std::thread::sleep(Duration::from_millis(100));
     let abort = AtomicBool::new(false);
-    let e = t2.recv(1, &ctx(&abort, 300)).err().unwrap();
+    let e = recv_with(&t2, 1, 0, &ctx(&abort, 300), |_, _| ()).unwrap_err();
     assert!(
         matches!(&e, Error::Timeout { peer: 0, what, .. } if what.contains("1 → 0")),
         "{e}"
@@ -199,6 +267,7 @@ fn stale_segments_of_dead_processes_are_swept() {
     std::fs::create_dir(&dir).unwrap();
     let layout = Layout {
         world: 2,
+        channels: 1,
         slots: 2,
         slot_bytes: 64,
     };

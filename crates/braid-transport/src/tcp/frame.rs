@@ -6,9 +6,9 @@
 /// First bytes of every connection.
 pub const HELLO_MAGIC: [u8; 8] = *b"BRAIDTCP";
 /// Version of this protocol; both ends must speak the same.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Size of an encoded [`Hello`].
-pub const HELLO_LEN: usize = 8 + 4 * 7 + 16;
+pub const HELLO_LEN: usize = 8 + 4 * 8 + 16;
 /// Marks every part header.
 pub const PART_MAGIC: u32 = 0x5452_4150; // "PART"
 /// Size of an encoded [`PartHeader`].
@@ -26,10 +26,12 @@ pub struct Hello {
     pub from: u32,
     /// The receiving rank.
     pub to: u32,
-    /// Which of the sender's connections to `to` this is.
+    /// Which of the sender's connections to `to` this is (channel `socket / sockets`).
     pub socket: u32,
-    /// How many connections the sender opens to `to`.
+    /// How many connections per channel the sender opens to `to`.
     pub sockets: u32,
+    /// Channels per pair of ranks; each has its own connections.
+    pub channels: u32,
     /// Slots per channel.
     pub slots: u32,
     /// Bytes per slot.
@@ -47,13 +49,14 @@ impl Hello {
             self.to,
             self.socket,
             self.sockets,
+            self.channels,
             self.slots,
             self.slot_bytes,
         ];
         for (i, w) in words.iter().enumerate() {
             out[8 + 4 * i..12 + 4 * i].copy_from_slice(&w.to_le_bytes());
         }
-        out[36..].copy_from_slice(&self.secret);
+        out[40..].copy_from_slice(&self.secret);
         out
     }
 
@@ -75,9 +78,10 @@ impl Hello {
             to: w(2),
             socket: w(3),
             sockets: w(4),
-            slots: w(5),
-            slot_bytes: w(6),
-            secret: b[36..].try_into().expect("16 bytes"),
+            channels: w(5),
+            slots: w(6),
+            slot_bytes: w(7),
+            secret: b[40..].try_into().expect("16 bytes"),
         })
     }
 }
@@ -231,7 +235,7 @@ mod tests {
 
         #[test]
         fn hello_round_trips(secret in any::<[u8; 16]>(), from in any::<u32>(), to in any::<u32>(), socket in any::<u32>()) {
-            let h = Hello { secret, from, to, socket, sockets: 2, slots: 8, slot_bytes: 1 << 17 };
+            let h = Hello { secret, from, to, socket, sockets: 2, channels: 2, slots: 8, slot_bytes: 1 << 17 };
             prop_assert_eq!(Hello::decode(&h.encode()), Ok(h));
         }
     }
@@ -279,6 +283,7 @@ mod tests {
             to: 0,
             socket: 0,
             sockets: 1,
+            channels: 1,
             slots: 8,
             slot_bytes: 64,
         }

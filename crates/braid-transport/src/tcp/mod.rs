@@ -20,6 +20,7 @@ pub mod frame;
 mod ifaddr;
 
 use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
@@ -31,6 +32,9 @@ use std::time::{Duration, Instant};
 use braid_core::Error;
 use tracing::{debug, warn};
 
+use crate::link::{check_token, misuse, AbortHandle, Event, Link, LinkId, RecvSlot, SendSlot};
+use crate::memory::Span;
+use crate::setup::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
 use crate::wait::{futex_wait, futex_wake, wait_until};
 use crate::{WaitCtx, WaitPolicy};
 pub use frame::{Hello, PartHeader};
@@ -48,16 +52,26 @@ pub struct TcpOptions {
     pub rank: usize,
     /// Ranks in the communicator.
     pub world: usize,
-    /// Slots per channel.
+    /// Independent channels per peer (each has its own connections, so a full ring on one channel never
+    /// holds up another).
+    pub channels: usize,
+    /// Slots per ring.
     pub slots: usize,
     /// Bytes per slot.
     pub slot_bytes: usize,
-    /// Connections per peer and direction.
+    /// Connections per peer, channel and direction.
     pub sockets_per_peer: usize,
     /// The communicator's secret.
     pub secret: [u8; 16],
     /// How the executor waits.
     pub policy: WaitPolicy,
+}
+
+impl TcpOptions {
+    /// Connections per peer and direction, over all channels.
+    fn connections(&self) -> usize {
+        self.sockets_per_peer * self.channels
+    }
 }
 
 /// A listening socket, opened before the bootstrap so that its address can be published.
@@ -90,10 +104,15 @@ impl TcpEndpoint {
         opts: TcpOptions,
         peers: &[Option<SocketAddr>],
         deadline: Instant,
-    ) -> Result<TcpTransport, Error> {
-        assert_eq!(peers.len(), opts.world);
-        assert!(peers[opts.rank].is_none(), "no connection to self");
-        let k = opts.sockets_per_peer;
+    ) -> Result<TcpLink, Error> {
+        if peers.len() != opts.world || peers[opts.rank].is_some() {
+            return Err(Error::Internal(format!(
+                "tcp: {} peer addresses for {} ranks, or one for this rank",
+                peers.len(),
+                opts.world
+            )));
+        }
+        let k = opts.connections();
         let remote: Vec<bool> = peers.iter().map(Option::is_some).collect();
         let expected = remote.iter().filter(|r| **r).count() * k;
         let accept = {
@@ -123,8 +142,7 @@ impl TcpEndpoint {
             }
             outbound[p] = Some(Outbound {
                 socks,
-                staging: RefCell::new(vec![0u8; opts.slot_bytes]),
-                sent: Cell::new(0),
+                rings: (0..opts.channels).map(|_| SendRing::default()).collect(),
             });
         }
         if result.is_err() {
@@ -139,7 +157,13 @@ impl TcpEndpoint {
         let shared = Arc::new(Shared {
             shutdown: AtomicBool::new(false),
             inbound: (0..opts.world)
-                .map(|p| remote[p].then(|| Inbound::new(opts.slots, opts.slot_bytes, k)))
+                .map(|p| {
+                    remote[p].then(|| {
+                        (0..opts.channels)
+                            .map(|_| Inbound::new(opts.slots, opts.slot_bytes, opts.connections()))
+                            .collect()
+                    })
+                })
                 .collect(),
             sockets: Mutex::new(Vec::new()),
         });
@@ -166,18 +190,15 @@ impl TcpEndpoint {
                 );
             }
         }
-        debug!(
-            rank = opts.rank,
-            connections = expected,
-            "tcp transport ready"
-        );
-        Ok(TcpTransport {
+        debug!(rank = opts.rank, connections = expected, "tcp link ready");
+        Ok(TcpLink {
+            id: LinkId::new(),
             opts,
             shared,
             outbound,
-            recvd: (0..opts.world).map(|_| Cell::new(0)).collect(),
-            reserved: (0..opts.world).map(|_| Cell::new(false)).collect(),
-            tag: Cell::new(0),
+            recv_rings: (0..opts.world * opts.channels)
+                .map(|_| RecvRing::default())
+                .collect(),
             readers,
         })
     }
@@ -219,6 +240,7 @@ fn dial(
         to: p as u32,
         socket: j as u32,
         sockets: opts.sockets_per_peer as u32,
+        channels: opts.channels as u32,
         slots: opts.slots as u32,
         slot_bytes: opts.slot_bytes as u32,
     };
@@ -250,10 +272,13 @@ fn check_hello(h: &Hello, opts: &TcpOptions, remote: &[bool]) -> Result<(), Stri
     if from >= remote.len() || !remote[from] {
         return Err(format!("rank {} is not a TCP peer of this rank", h.from));
     }
-    if h.sockets as usize != opts.sockets_per_peer || h.socket >= h.sockets {
+    if h.sockets as usize != opts.sockets_per_peer
+        || h.channels as usize != opts.channels
+        || h.socket as usize >= opts.connections()
+    {
         return Err(format!(
-            "connection {} of {} where {} per peer are configured",
-            h.socket, h.sockets, opts.sockets_per_peer
+            "connection {} of {} per channel over {} channels where {} per channel over {} are configured",
+            h.socket, h.sockets, h.channels, opts.sockets_per_peer, opts.channels
         ));
     }
     if (h.slots as usize, h.slot_bytes as usize) != (opts.slots, opts.slot_bytes) {
@@ -276,7 +301,7 @@ fn accept_all(
     expected: usize,
     deadline: Instant,
 ) -> Result<Accepted, Error> {
-    let k = opts.sockets_per_peer;
+    let k = opts.connections();
     let mut got: Vec<Vec<Option<TcpStream>>> = (0..opts.world)
         .map(|p| (0..if remote[p] { k } else { 0 }).map(|_| None).collect())
         .collect();
@@ -417,7 +442,8 @@ struct Inbound {
     reader_waiting: AtomicU32,
     failed: AtomicBool,
     reason: Mutex<String>,
-    /// Connections from this peer still open; a clean close counts as a failure only once the last one
+    /// Connections from this peer still open, over all channels (kept in channel 0's ring); a clean close
+    /// counts as a failure only once the last one
     /// has closed, so parts still arriving on the others are delivered.
     open: AtomicU32,
 }
@@ -456,7 +482,8 @@ impl Inbound {
 /// State shared by the transport and its reader threads.
 struct Shared {
     shutdown: AtomicBool,
-    inbound: Vec<Option<Inbound>>,
+    /// Per peer reached over TCP, per channel.
+    inbound: Vec<Option<Vec<Inbound>>>,
     /// Clones of every connection, so that shutdown or abort can close them from any thread.
     sockets: Mutex<Vec<TcpStream>>,
 }
@@ -466,15 +493,19 @@ impl Shared {
         for s in self.sockets.lock().expect("socket list").iter() {
             let _ = s.shutdown(Shutdown::Both);
         }
-        for ib in self.inbound.iter().flatten() {
+        for ib in self.inbound.iter().flatten().flatten() {
             futex_wake(&ib.consumed);
         }
     }
 }
 
-/// Reads messages from connection `j` of peer `p` into its slots until the connection ends.
-fn reader(sh: Arc<Shared>, mut s: TcpStream, p: usize, j: usize, opts: TcpOptions) {
-    let ib = sh.inbound[p].as_ref().expect("inbound channel");
+/// Reads messages from connection `c` of peer `p` into its slots until the connection ends. The
+/// connection belongs to channel `c / sockets_per_peer`, as its `j = c % sockets_per_peer`-th.
+fn reader(sh: Arc<Shared>, mut s: TcpStream, p: usize, c: usize, opts: TcpOptions) {
+    let (ch, j) = (c / opts.sockets_per_peer, c % opts.sockets_per_peer);
+    let Some(ib) = sh.inbound[p].as_ref().and_then(|v| v.get(ch)) else {
+        return;
+    };
     let slots = opts.slots as u32;
     let k = opts.sockets_per_peer as u32;
     let mut next: u32 = 0;
@@ -488,8 +519,17 @@ fn reader(sh: Arc<Shared>, mut s: TcpStream, p: usize, j: usize, opts: TcpOption
         match read_full(&mut s, &mut hb) {
             Ok(true) => {}
             Ok(false) => {
-                if ib.open.fetch_sub(1, Ordering::AcqRel) == 1 {
-                    fail("closed the connection".into());
+                // Every connection of the peer, over all channels, counts: the others may still be
+                // delivering what was sent before the close.
+                let all = sh.inbound[p].as_deref().unwrap_or_default();
+                if let Some(first) = all.first() {
+                    if first.open.fetch_sub(1, Ordering::AcqRel) == 1
+                        && !sh.shutdown.load(Ordering::Acquire)
+                    {
+                        for ib in all {
+                            ib.fail("closed the connection".into());
+                        }
+                    }
                 }
                 return;
             }
@@ -555,138 +595,260 @@ fn read_full(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<bool> {
     Ok(true)
 }
 
-/// The sending side of one peer's channel.
-struct Outbound {
-    socks: Vec<TcpStream>,
-    staging: RefCell<Vec<u8>>,
-    sent: Cell<u32>,
+/// The sending side of one (peer, channel): staging buffers, one per reserved and unposted slot.
+#[derive(Default)]
+struct SendRing {
+    /// Messages reserved, and posted (sent), wrapping.
+    reserved: Cell<u32>,
+    posted: Cell<u32>,
+    /// Buffers of reserved slots, oldest first (the next to post is at the front).
+    outstanding: RefCell<VecDeque<Box<[u8]>>>,
+    /// Buffers to reuse.
+    free: RefCell<Vec<Box<[u8]>>>,
 }
 
-/// The TCP transport of one rank. Used by one thread at a time, like the shared-memory transport.
-pub struct TcpTransport {
+/// The sending side of one peer.
+struct Outbound {
+    /// `sockets_per_peer` connections per channel, channel by channel.
+    socks: Vec<TcpStream>,
+    rings: Vec<SendRing>,
+}
+
+/// The receiving side of one (peer, channel), as the executor sees it.
+#[derive(Default)]
+struct RecvRing {
+    recvd: Cell<u32>,
+    released: Cell<u32>,
+}
+
+/// The TCP link of one rank. Used by one thread at a time, like every link.
+pub struct TcpLink {
+    id: LinkId,
     opts: TcpOptions,
     shared: Arc<Shared>,
     outbound: Vec<Option<Outbound>>,
-    recvd: Vec<Cell<u32>>,
-    reserved: Vec<Cell<bool>>,
-    tag: Cell<u32>,
+    recv_rings: Vec<RecvRing>,
     readers: Vec<JoinHandle<()>>,
 }
 
-/// The handle other threads use to abort a TCP transport.
-#[derive(Clone)]
-pub struct TcpHandle {
+/// The handle other threads use to abort a TCP link.
+struct TcpAbort {
     shared: Arc<Shared>,
 }
 
-impl TcpHandle {
+impl AbortHandle for TcpAbort {
     /// Closes every connection, so peers see this rank fail at once, and wakes every wait.
-    pub fn fail_and_wake(&self) {
+    fn fail_and_wake(&self) {
         self.shared.close_all();
     }
 }
 
-impl TcpTransport {
-    /// The handle for `abort` from other threads.
-    pub fn handle(&self) -> TcpHandle {
-        TcpHandle {
-            shared: self.shared.clone(),
+impl TcpLink {
+    fn out(&self, peer: usize, ch: usize) -> Result<(&Outbound, &SendRing), Error> {
+        match self.outbound.get(peer).and_then(Option::as_ref) {
+            Some(o) if ch < self.opts.channels => Ok((o, &o.rings[ch])),
+            _ => Err(misuse(
+                "tcp",
+                format!("no ring to rank {peer} on channel {ch}"),
+            )),
         }
     }
 
-    /// Payload capacity of one slot.
-    pub fn slot_bytes(&self) -> usize {
+    fn inbound(&self, peer: usize, ch: usize) -> Result<(&Inbound, &RecvRing), Error> {
+        match self.shared.inbound.get(peer).and_then(Option::as_ref) {
+            Some(v) if ch < self.opts.channels => {
+                Ok((&v[ch], &self.recv_rings[peer * self.opts.channels + ch]))
+            }
+            _ => Err(misuse(
+                "tcp",
+                format!("no ring from rank {peer} on channel {ch}"),
+            )),
+        }
+    }
+
+    fn peer_error(&self, peer: usize, ctx: &WaitCtx<'_>) -> Result<(), Error> {
+        if let Some(v) = self.shared.inbound.get(peer).and_then(Option::as_ref) {
+            for ib in v {
+                if ib.failed.load(Ordering::Acquire) {
+                    let why = ib.reason.lock().expect("reason").clone();
+                    return Err(ctx.peer_failed(peer, why));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Link for TcpLink {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn slot_bytes(&self) -> usize {
         self.opts.slot_bytes
     }
 
-    /// Sets the tag stamped on every message from now on.
-    pub fn set_tag(&self, tag: u32) {
-        self.tag.set(tag);
+    fn channels(&self) -> usize {
+        self.opts.channels
     }
 
-    /// Whether `peer` is reached over TCP.
-    pub fn reaches(&self, peer: usize) -> bool {
-        self.outbound.get(peer).is_some_and(Option::is_some)
-    }
-
-    /// Hands out the staging buffer for a message to `to`.
-    pub fn send_slot(&self, to: usize) -> TcpSendSlot<'_> {
-        assert!(!self.reserved[to].get(), "slot to rank {to} reserved twice");
-        self.reserved[to].set(true);
-        let out = self.outbound[to].as_ref().expect("not a TCP peer");
-        TcpSendSlot {
-            t: self,
-            to,
-            buf: out.staging.borrow_mut(),
+    fn try_reserve(
+        &self,
+        peer: usize,
+        ch: usize,
+        _ctx: &WaitCtx<'_>,
+    ) -> Result<Option<SendSlot>, Error> {
+        let (_, ring) = self.out(peer, ch)?;
+        let mut outstanding = ring.outstanding.borrow_mut();
+        if outstanding.len() >= self.opts.slots {
+            return Ok(None);
         }
+        let mut buf = ring
+            .free
+            .borrow_mut()
+            .pop()
+            .unwrap_or_else(|| vec![0u8; self.opts.slot_bytes].into_boxed_slice());
+        let msg = ring.reserved.get();
+        ring.reserved.set(msg.wrapping_add(1));
+        // SAFETY: the buffer is a heap allocation owned by this ring until the slot is posted (moving the
+        // box into the queue does not move its heap bytes); nobody else writes it meanwhile.
+        let slot = unsafe {
+            let span = Span::host(buf.as_mut_ptr(), buf.len());
+            SendSlot::new(self.id, peer, ch, msg, span)
+        };
+        outstanding.push_back(buf);
+        Ok(Some(slot))
     }
 
-    fn send_parts(&self, to: usize, data: &[u8], ctx: &WaitCtx<'_>) -> Result<(), Error> {
-        let out = self.outbound[to].as_ref().expect("not a TCP peer");
-        let msg = out.sent.get();
-        let k = out.socks.len();
-        for (j, s) in out.socks.iter().enumerate() {
+    fn post(&self, slot: SendSlot, len: usize, tag: u32, ctx: &WaitCtx<'_>) -> Result<(), Error> {
+        let (out, ring) = self.out(slot.peer, slot.ch)?;
+        check_token(
+            "tcp",
+            self.id,
+            slot.link,
+            slot.msg,
+            ring.posted.get(),
+            "post",
+        )?;
+        if len > self.opts.slot_bytes {
+            return Err(misuse(
+                "tcp",
+                format!(
+                    "posting {len} bytes into a slot of {}",
+                    self.opts.slot_bytes
+                ),
+            ));
+        }
+        let Some(buf) = ring.outstanding.borrow_mut().pop_front() else {
+            return Err(misuse("tcp", "post without a reserved slot".into()));
+        };
+        let msg = slot.msg;
+        ring.posted.set(msg.wrapping_add(1));
+        let k = self.opts.sockets_per_peer;
+        let data = &buf[..len];
+        let mut result = Ok(());
+        for (j, s) in out.socks[slot.ch * k..(slot.ch + 1) * k].iter().enumerate() {
             let r = frame::part_range(data.len(), msg, j, k);
             let h = PartHeader {
-                tag: self.tag.get(),
+                tag,
                 msg,
                 len: data.len() as u32,
                 offset: r.start as u32,
                 part_len: r.len() as u32,
             }
             .encode();
-            send_all(s, &h, &data[r], ctx, to, &self.shared)?;
+            result = send_all(s, &h, &data[r], ctx, slot.peer, self);
+            if result.is_err() {
+                break;
+            }
         }
-        out.sent.set(msg.wrapping_add(1));
-        Ok(())
+        ring.free.borrow_mut().push(buf);
+        result
     }
 
-    /// Waits for the next message from `from` and returns it in place.
-    pub fn recv(&self, from: usize, ctx: &WaitCtx<'_>) -> Result<TcpRecvSlot<'_>, Error> {
-        let ib = self.shared.inbound[from].as_ref().expect("not a TCP peer");
-        let r = self.recvd[from].get();
+    fn try_recv(
+        &self,
+        peer: usize,
+        ch: usize,
+        _ctx: &WaitCtx<'_>,
+    ) -> Result<Option<RecvSlot>, Error> {
+        let (ib, ring) = self.inbound(peer, ch)?;
+        let r = ring.recvd.get();
         let index = (r % self.opts.slots as u32) as usize;
-        let want = r.wrapping_add(1);
-        let seq = &ib.seq[index];
-        wait_until(
-            &self.opts.policy,
-            ctx,
-            from,
-            "data",
-            seq,
-            &ib.recv_waiting,
-            || seq.load(Ordering::Acquire) == want,
-            || {
-                if ib.failed.load(Ordering::Acquire) {
-                    let why = ib.reason.lock().expect("reason").clone();
-                    return Err(ctx.peer_failed(from, why));
-                }
-                Ok(())
-            },
-        )?;
+        if ib.seq[index].load(Ordering::Acquire) != r.wrapping_add(1) {
+            return Ok(None);
+        }
         let len = ib.len[index].load(Ordering::Relaxed) as usize;
         let tag = ib.tag[index].load(Ordering::Relaxed);
-        if tag != self.tag.get() {
-            return Err(Error::Mismatch {
-                rank: self.opts.rank,
-                peer: from,
-                collective: ctx.collective.to_string(),
-                seq: ctx.seq,
-                detail: format!(
-                    "message belongs to collective #{tag}, this rank is at #{}",
-                    self.tag.get()
-                ),
-            });
-        }
+        ring.recvd.set(r.wrapping_add(1));
         let mem = &ib.mem[index];
         // SAFETY: `len <= slot_bytes` (validated by the reader before it wrote the slot); the Acquire load
         // of `seq` above observed the reader's publication, and the reader will not write this slot again
-        // until `TcpRecvSlot::drop` releases it.
-        let data = unsafe { std::slice::from_raw_parts(mem.ptr, len) };
-        Ok(TcpRecvSlot {
-            t: self,
-            from,
-            data,
+        // until `release` returns it; the memory lives as long as the link.
+        let slot = unsafe {
+            let span = Span::host(mem.ptr, len);
+            RecvSlot::new(self.id, peer, ch, r, tag, span)
+        };
+        Ok(Some(slot))
+    }
+
+    fn release(&self, slot: RecvSlot) -> Result<(), Error> {
+        let (ib, ring) = self.inbound(slot.peer, slot.ch)?;
+        check_token(
+            "tcp",
+            self.id,
+            slot.link,
+            slot.msg,
+            ring.released.get(),
+            "release",
+        )?;
+        let r = slot.msg.wrapping_add(1);
+        ring.released.set(r);
+        ib.consumed.store(r, Ordering::SeqCst);
+        if ib.reader_waiting.load(Ordering::SeqCst) != 0 {
+            futex_wake(&ib.consumed);
+        }
+        Ok(())
+    }
+
+    fn wait(
+        &self,
+        peer: usize,
+        ch: usize,
+        event: Event,
+        ctx: &WaitCtx<'_>,
+        until: Instant,
+    ) -> Result<(), Error> {
+        match event {
+            // A slot is free again as soon as the post that used it returns.
+            Event::Credit => {
+                self.out(peer, ch)?;
+                self.peer_error(peer, ctx)
+            }
+            Event::Data => {
+                let (ib, ring) = self.inbound(peer, ch)?;
+                let r = ring.recvd.get();
+                let index = (r % self.opts.slots as u32) as usize;
+                let want = r.wrapping_add(1);
+                let seq = &ib.seq[index];
+                wait_until(
+                    &self.opts.policy,
+                    ctx,
+                    until,
+                    peer,
+                    event.describe(),
+                    seq,
+                    &ib.recv_waiting,
+                    || seq.load(Ordering::Acquire) == want,
+                    || self.peer_error(peer, ctx),
+                )
+            }
+        }
+    }
+
+    fn abort_handle(&self) -> Arc<dyn AbortHandle> {
+        Arc::new(TcpAbort {
+            shared: self.shared.clone(),
         })
     }
 }
@@ -698,7 +860,7 @@ fn send_all(
     data: &[u8],
     ctx: &WaitCtx<'_>,
     to: usize,
-    shared: &Shared,
+    link: &TcpLink,
 ) -> Result<(), Error> {
     let total = hdr.len() + data.len();
     let mut done = 0;
@@ -717,12 +879,7 @@ fn send_all(
                 if Instant::now() >= ctx.deadline {
                     return Err(ctx.timeout(to, "the network to accept data"));
                 }
-                if let Some(ib) = shared.inbound[to].as_ref() {
-                    if ib.failed.load(Ordering::Acquire) {
-                        let why = ib.reason.lock().expect("reason").clone();
-                        return Err(ctx.peer_failed(to, why));
-                    }
-                }
+                link.peer_error(to, ctx)?;
             }
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
             Err(e) => {
@@ -761,7 +918,7 @@ fn send_vectored(s: &TcpStream, a: &[u8], b: &[u8]) -> std::io::Result<usize> {
     }
 }
 
-impl Drop for TcpTransport {
+impl Drop for TcpLink {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
         self.shared.close_all();
@@ -771,60 +928,88 @@ impl Drop for TcpTransport {
     }
 }
 
-/// A message being written for a TCP peer; [`TcpSendSlot::post`] sends it.
-pub struct TcpSendSlot<'a> {
-    t: &'a TcpTransport,
-    to: usize,
-    buf: std::cell::RefMut<'a, Vec<u8>>,
+/// TCP between any two ranks: the [`Transport`] that makes [`TcpLink`]s.
+pub struct Tcp {
+    ip: IpAddr,
+    sockets_per_peer: usize,
 }
 
-impl TcpSendSlot<'_> {
-    /// The payload area (its capacity is the slot size).
-    pub fn data(&mut self) -> &mut [u8] {
-        &mut self.buf[..]
-    }
-
-    /// Sends the first `len` bytes.
-    pub fn post(self, len: usize, ctx: &WaitCtx<'_>) -> Result<(), Error> {
-        assert!(
-            len <= self.buf.len(),
-            "posting {len} bytes into a slot of {}",
-            self.buf.len()
-        );
-        self.t.send_parts(self.to, &self.buf[..len], ctx)
-    }
-}
-
-impl Drop for TcpSendSlot<'_> {
-    fn drop(&mut self) {
-        self.t.reserved[self.to].set(false);
-    }
-}
-
-/// A received message, read in place; dropping it releases the slot.
-pub struct TcpRecvSlot<'a> {
-    t: &'a TcpTransport,
-    from: usize,
-    data: &'a [u8],
-}
-
-impl TcpRecvSlot<'_> {
-    /// The payload.
-    pub fn data(&self) -> &[u8] {
-        self.data
-    }
-}
-
-impl Drop for TcpRecvSlot<'_> {
-    fn drop(&mut self) {
-        let t = self.t;
-        let ib = t.shared.inbound[self.from].as_ref().expect("inbound");
-        let r = t.recvd[self.from].get().wrapping_add(1);
-        t.recvd[self.from].set(r);
-        ib.consumed.store(r, Ordering::SeqCst);
-        if ib.reader_waiting.load(Ordering::SeqCst) != 0 {
-            futex_wake(&ib.consumed);
+impl Tcp {
+    /// Listens on `ip`, with `sockets_per_peer` connections per peer and channel.
+    pub fn new(ip: IpAddr, sockets_per_peer: usize) -> Tcp {
+        Tcp {
+            ip,
+            sockets_per_peer: sockets_per_peer.max(1),
         }
+    }
+}
+
+impl Transport for Tcp {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn scope(&self) -> Scope {
+        Scope::Network
+    }
+
+    fn prepare(self: Box<Self>, _ctx: &SetupCtx) -> Result<Box<dyn Prepared>, Error> {
+        Ok(Box::new(TcpPrepared {
+            endpoint: TcpEndpoint::bind(self.ip)?,
+            sockets_per_peer: self.sockets_per_peer,
+        }))
+    }
+}
+
+struct TcpPrepared {
+    endpoint: TcpEndpoint,
+    sockets_per_peer: usize,
+}
+
+impl Prepared for TcpPrepared {
+    fn endpoint(&self) -> Vec<u8> {
+        self.endpoint.addr().to_string().into_bytes()
+    }
+
+    fn connect(
+        self: Box<Self>,
+        ctx: &SetupCtx,
+        peers: &[Option<&Peer>],
+    ) -> Result<Box<dyn Connected>, Error> {
+        let addrs = peers
+            .iter()
+            .enumerate()
+            .map(|(p, peer)| {
+                let Some(peer) = peer else { return Ok(None) };
+                let text = peer.endpoint_text("tcp");
+                text.parse().map(Some).map_err(|_| {
+                    Error::Bootstrap(format!(
+                        "rank {p} published no usable TCP address ({text:?})"
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>, Error>>()?;
+        let g = ctx.geometry;
+        let opts = TcpOptions {
+            rank: g.rank,
+            world: g.world,
+            channels: g.channels,
+            slots: g.slots,
+            slot_bytes: g.slot_bytes,
+            sockets_per_peer: self.sockets_per_peer,
+            secret: ctx.secret,
+            policy: ctx.policy,
+        };
+        let link = self.endpoint.connect(opts, &addrs, ctx.deadline)?;
+        Ok(Box::new(TcpConnected(link)))
+    }
+}
+
+struct TcpConnected(TcpLink);
+
+impl Connected for TcpConnected {
+    fn activate(self: Box<Self>) -> Result<Box<dyn Link>, Error> {
+        Ok(Box::new(self.0))
     }
 }
 

@@ -5,6 +5,7 @@ use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::link::{recv_with, send_bytes};
 
 const SECRET: [u8; 16] = [9; 16];
 
@@ -12,6 +13,7 @@ fn opts(rank: usize, world: usize, sockets: usize, slot_bytes: usize) -> TcpOpti
     TcpOptions {
         rank,
         world,
+        channels: 2,
         slots: 4,
         slot_bytes,
         sockets_per_peer: sockets,
@@ -36,7 +38,7 @@ fn ctx<'a>(rank: usize, abort: &'a AtomicBool, timeout: Duration) -> WaitCtx<'a>
 }
 
 /// Builds a fully connected world of `n` TCP transports on loopback, one per thread.
-fn world(n: usize, sockets: usize, slot_bytes: usize) -> Vec<TcpTransport> {
+fn world(n: usize, sockets: usize, slot_bytes: usize) -> Vec<TcpLink> {
     let eps: Vec<TcpEndpoint> = (0..n)
         .map(|_| TcpEndpoint::bind(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap())
         .collect();
@@ -84,16 +86,15 @@ fn messages_arrive_whole_and_in_order_over_several_sockets() {
                 s.spawn(move || {
                     let abort = AtomicBool::new(false);
                     let c = ctx(r, &abort, Duration::from_secs(20));
-                    t.set_tag(7);
                     // Every rank sends 3 rounds of every length to both peers, then receives; the slot
                     // depth (4) is smaller than the number of messages, so flow control is exercised.
                     let t = &t;
                     let sender = |to: usize| {
                         for round in 0..3 {
                             for (m, &len) in lens.iter().enumerate() {
-                                let mut sl = t.send_slot(to);
-                                sl.data()[..len].copy_from_slice(&pattern(r, round * 10 + m, len));
-                                sl.post(len, &c).unwrap();
+                                let ch = m % 2;
+                                send_bytes(t, to, ch, &pattern(r, round * 10 + m, len), 7, &c)
+                                    .unwrap();
                             }
                         }
                     };
@@ -106,10 +107,11 @@ fn messages_arrive_whole_and_in_order_over_several_sockets() {
                     for &p in &peers {
                         for round in 0..3 {
                             for (m, &len) in lens.iter().enumerate() {
-                                let got = t.recv(p, &c).unwrap();
+                                let (got, tag) =
+                                    recv_with(t, p, m % 2, &c, |d, tag| (d.to_vec(), tag)).unwrap();
                                 assert_eq!(
-                                    got.data(),
-                                    &pattern(p, round * 10 + m, len)[..],
+                                    (got, tag),
+                                    (pattern(p, round * 10 + m, len), 7),
                                     "from {p} msg {m} sockets {sockets}"
                                 );
                             }
@@ -130,16 +132,14 @@ fn a_closed_peer_is_a_failure_that_names_it() {
     let abort = AtomicBool::new(false);
     let c = ctx(0, &abort, Duration::from_secs(10));
     let start = Instant::now();
-    let e = t0.recv(1, &c).map(|_| ()).unwrap_err();
+    let e = recv_with(&t0, 1, 0, &c, |_, _| ()).unwrap_err();
     assert!(matches!(e, Error::PeerFailed { peer: 1, .. }), "{e}");
     assert!(e.to_string().contains("closed"), "{e}");
     assert!(start.elapsed() < Duration::from_secs(5));
     // Sending to it fails too, soon (the kernel reports the reset).
     let mut failed = None;
     for _ in 0..1000 {
-        let mut s = t0.send_slot(1);
-        s.data()[..10].fill(1);
-        if let Err(e) = s.post(10, &c) {
+        if let Err(e) = send_bytes(&t0, 1, 0, &[1; 10], 0, &c) {
             failed = Some(e);
             break;
         }
@@ -154,7 +154,7 @@ fn a_silent_peer_times_out_and_abort_ends_the_wait() {
     let ts = world(2, 1, 4096);
     let abort = AtomicBool::new(false);
     let c = ctx(0, &abort, Duration::from_millis(100));
-    let e = ts[0].recv(1, &c).map(|_| ()).unwrap_err();
+    let e = recv_with(&ts[0], 1, 0, &c, |_, _| ()).unwrap_err();
     assert!(matches!(e, Error::Timeout { peer: 1, .. }), "{e}");
     let c = ctx(0, &abort, Duration::from_secs(30));
     let start = Instant::now();
@@ -163,25 +163,10 @@ fn a_silent_peer_times_out_and_abort_ends_the_wait() {
             std::thread::sleep(Duration::from_millis(50));
             abort.store(true, Ordering::Relaxed);
         });
-        let e = ts[0].recv(1, &c).map(|_| ()).unwrap_err();
+        let e = recv_with(&ts[0], 1, 1, &c, |_, _| ()).unwrap_err();
         assert!(matches!(e, Error::Aborted { .. }), "{e}");
     });
     assert!(start.elapsed() < Duration::from_secs(5));
-}
-
-#[test]
-fn a_message_of_another_collective_is_a_mismatch() {
-    let ts = world(2, 1, 4096);
-    let abort = AtomicBool::new(false);
-    let c = ctx(0, &abort, Duration::from_secs(10));
-    ts[1].set_tag(5);
-    let mut s = ts[1].send_slot(0);
-    s.data()[0] = 1;
-    s.post(1, &c).unwrap();
-    ts[0].set_tag(6);
-    let e = ts[0].recv(1, &c).map(|_| ()).unwrap_err();
-    assert!(matches!(e, Error::Mismatch { peer: 1, .. }), "{e}");
-    assert!(e.to_string().contains("#5"), "{e}");
 }
 
 #[test]
@@ -200,6 +185,7 @@ fn strangers_and_wrong_secrets_are_refused_and_the_peers_still_connect() {
             to: 0,
             socket: 0,
             sockets: 1,
+            channels: 2,
             slots: 4,
             slot_bytes: 4096,
         };
@@ -227,16 +213,15 @@ fn strangers_and_wrong_secrets_are_refused_and_the_peers_still_connect() {
             std::thread::spawn(move || ep.connect(opts(r, 2, 1, 4096), &peers, deadline))
         })
         .collect();
-    let ts: Vec<TcpTransport> = handles
+    let ts: Vec<TcpLink> = handles
         .into_iter()
         .map(|h| h.join().unwrap().unwrap())
         .collect();
     let abort = AtomicBool::new(false);
     let c = ctx(0, &abort, Duration::from_secs(10));
-    let mut s = ts[1].send_slot(0);
-    s.data()[..3].copy_from_slice(b"abc");
-    s.post(3, &c).unwrap();
-    assert_eq!(ts[0].recv(1, &c).unwrap().data(), b"abc");
+    send_bytes(&ts[1], 0, 1, b"abc", 3, &c).unwrap();
+    let got = recv_with(&ts[0], 1, 1, &c, |d, t| (d.to_vec(), t)).unwrap();
+    assert_eq!(got, (b"abc".to_vec(), 3));
 }
 
 #[test]

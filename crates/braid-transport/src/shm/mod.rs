@@ -1,9 +1,8 @@
 //! Shared-memory transport between processes on one host.
 //!
-//! Each rank owns one segment (a file in `/dev/shm`) that holds its *inbound* channels, one per peer.
-//! A channel is a ring of `slots` slots of `slot_bytes` bytes plus two counters: `posted`, bumped by the
-//! sender when a slot is full, and `consumed`, bumped by the receiver when it is done with one (the
-//! credit). Senders map their peers' segments and write straight into the receiver's slot; the receiver
+//! Each rank owns one segment (a file in `/dev/shm`) that holds its *inbound* rings, `channels` per
+//! peer. A ring is `slots` slots of `slot_bytes` bytes, each with a sequence word the sender bumps when
+//! it posts the slot, plus a `consumed` counter the receiver bumps when it releases one (the credit). Senders map their peers' segments and write straight into the receiver's slot; the receiver
 //! reduces from the slot in place. Counters are 32-bit futex words, so a waiter that has spun long enough
 //! sleeps in the kernel and the other side wakes it only when it is actually asleep.
 //!
@@ -19,14 +18,18 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use braid_core::Error;
 use memmap2::MmapRaw;
 
+use crate::link::{check_token, misuse, AbortHandle, Event, Link, LinkId, RecvSlot, SendSlot};
+use crate::memory::Span;
+use crate::setup::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
 use crate::wait::{futex_wake, peer_alive, peer_stopped, wait_until, WaitCtx, WaitPolicy};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"BRAIDshm");
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const HEADER: usize = 4096;
 const CTRL: usize = 256;
 /// Slot header: sequence number (the flag the receiver polls), length, tag; the payload follows in the
@@ -42,6 +45,7 @@ const H_OWNER: usize = 16;
 const H_PID: usize = 20;
 const H_SLOTS: usize = 24;
 const H_SLOT_BYTES: usize = 28;
+const H_CHANNELS: usize = 32;
 const H_FAILED: usize = 64;
 /// Whom this rank is blocked waiting for (rank + 1; 0 when not blocked), so that a timing-out peer can
 /// follow the chain of waits to the rank that is actually silent.
@@ -61,9 +65,12 @@ const C_SEND_WAITING: usize = 132;
 /// The geometry of a segment; every rank of a communicator uses the same one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
-    /// Ranks in the communicator (one inbound channel each).
+    /// Ranks in the communicator (`channels` inbound rings from each).
     pub world: usize,
-    /// Slots per channel (at least 2; see `braid_sched::sim::run`).
+    /// Independent rings per peer.
+    pub channels: usize,
+    /// Slots per ring (at least 2: a fused receive-and-forward holds its incoming slot until the next
+    /// one frees).
     pub slots: usize,
     /// Payload bytes per slot.
     pub slot_bytes: usize,
@@ -76,15 +83,15 @@ impl Layout {
     fn channel_stride(&self) -> usize {
         CTRL + self.slots * self.slot_stride()
     }
-    fn channel(&self, from: usize) -> usize {
-        HEADER + from * self.channel_stride()
+    fn channel(&self, from: usize, ch: usize) -> usize {
+        HEADER + (from * self.channels + ch) * self.channel_stride()
     }
-    fn slot(&self, from: usize, index: usize) -> usize {
-        self.channel(from) + CTRL + index * self.slot_stride()
+    fn slot(&self, from: usize, ch: usize, index: usize) -> usize {
+        self.channel(from, ch) + CTRL + index * self.slot_stride()
     }
     /// Total bytes of the segment.
     pub fn size(&self) -> usize {
-        HEADER + self.world * self.channel_stride()
+        HEADER + self.world * self.channels * self.channel_stride()
     }
 }
 
@@ -143,6 +150,8 @@ impl Segment {
             .store(layout.slots as u32, Ordering::Relaxed);
         seg.word(H_SLOT_BYTES)
             .store(layout.slot_bytes as u32, Ordering::Relaxed);
+        seg.word(H_CHANNELS)
+            .store(layout.channels as u32, Ordering::Relaxed);
         seg.word64(H_MAGIC).store(MAGIC, Ordering::Release);
         Ok(seg)
     }
@@ -203,6 +212,11 @@ impl Segment {
                 seg.word(H_SLOT_BYTES).load(Ordering::Relaxed) as usize,
                 layout.slot_bytes,
             ),
+            (
+                "channels",
+                seg.word(H_CHANNELS).load(Ordering::Relaxed) as usize,
+                layout.channels,
+            ),
         ];
         if magic != MAGIC {
             return Err(Error::Bootstrap(format!("{}: not a braid segment", ctx())));
@@ -251,22 +265,22 @@ impl Segment {
         unsafe { &*(self.map.as_mut_ptr().add(off) as *const AtomicU64) }
     }
 
-    fn ctrl(&self, from: usize, field: usize) -> &AtomicU32 {
-        self.word(self.layout.channel(from) + field)
+    fn ctrl(&self, from: usize, ch: usize, field: usize) -> &AtomicU32 {
+        self.word(self.layout.channel(from, ch) + field)
     }
 
     fn failed(&self) -> bool {
         self.word(H_FAILED).load(Ordering::Acquire) != 0
     }
 
-    /// The sequence word of slot `index` of the channel from `from`.
-    fn slot_seq(&self, from: usize, index: usize) -> &AtomicU32 {
-        self.word(self.layout.slot(from, index) + S_SEQ)
+    /// The sequence word of slot `index` of ring `ch` from `from`.
+    fn slot_seq(&self, from: usize, ch: usize, index: usize) -> &AtomicU32 {
+        self.word(self.layout.slot(from, ch, index) + S_SEQ)
     }
 
-    /// Raw pointer to slot `index` of the channel from `from`: its header, then the payload.
-    fn slot_ptr(&self, from: usize, index: usize) -> *mut u8 {
-        let off = self.layout.slot(from, index);
+    /// Raw pointer to slot `index` of ring `ch` from `from`: its header, then the payload.
+    fn slot_ptr(&self, from: usize, ch: usize, index: usize) -> *mut u8 {
+        let off = self.layout.slot(from, ch, index);
         assert!(off + self.layout.slot_stride() <= self.layout.size());
         // SAFETY: `off` plus a whole slot is within the mapping, checked above.
         unsafe { self.map.as_mut_ptr().add(off) }
@@ -322,96 +336,98 @@ pub fn sweep_stale(dir: &Path) -> usize {
     removed
 }
 
-/// The mappings of a transport, shareable with other threads so that `abort` can wake a blocked wait.
+/// The mappings of a link, shareable with other threads so that `abort` can wake a blocked wait.
 pub struct Mappings {
     rank: usize,
     own: Segment,
     peers: Vec<Option<Segment>>,
 }
 
-impl Mappings {
-    /// Marks this rank failed (so peers stop waiting for it) and wakes every wait on this rank's
-    /// channels, in this process and in peers.
-    pub fn fail_and_wake(&self) {
+impl AbortHandle for Mappings {
+    fn fail_and_wake(&self) {
         self.own.word(H_FAILED).store(1, Ordering::Release);
         self.wake_all();
     }
 
-    /// Wakes every wait on this rank's channels without marking anything.
-    pub fn wake_all(&self) {
+    fn wake_all(&self) {
+        let l = self.own.layout;
         for (p, peer) in self.peers.iter().enumerate() {
             if let Some(peer) = peer {
-                for i in 0..self.own.layout.slots {
-                    futex_wake(self.own.slot_seq(p, i));
-                    futex_wake(peer.slot_seq(self.rank, i));
+                for ch in 0..l.channels {
+                    for i in 0..l.slots {
+                        futex_wake(self.own.slot_seq(p, ch, i));
+                        futex_wake(peer.slot_seq(self.rank, ch, i));
+                    }
+                    futex_wake(self.own.ctrl(p, ch, C_CONSUMED));
+                    futex_wake(peer.ctrl(self.rank, ch, C_CONSUMED));
                 }
-                futex_wake(self.own.ctrl(p, C_CONSUMED));
-                futex_wake(peer.ctrl(self.rank, C_CONSUMED));
             }
         }
     }
 }
 
-/// The shared-memory transport of one rank: its own inbound segment and its peers', plus the local
-/// sequence counters. It is used by one thread at a time (it is `Send`, not `Sync`).
-pub struct ShmTransport {
+/// Per (peer, channel) counters of this rank, all wrapping.
+#[derive(Default)]
+struct Ring {
+    /// Slots reserved to the peer.
+    reserved: Cell<u32>,
+    /// Slots posted to the peer.
+    posted: Cell<u32>,
+    /// The last credit counter read from the peer, so a sender with credit left reads nothing remote.
+    credit_seen: Cell<u32>,
+    /// Messages received from the peer.
+    recvd: Cell<u32>,
+    /// Messages released to the peer.
+    released: Cell<u32>,
+}
+
+/// The shared-memory link of one rank: its own inbound segment and its peers', plus the local counters.
+pub struct ShmLink {
+    id: LinkId,
     maps: Arc<Mappings>,
     layout: Layout,
     policy: WaitPolicy,
-    sent: Vec<Cell<u32>>,
-    recvd: Vec<Cell<u32>>,
-    /// The last credit counter read from each peer, so a sender with credits left reads nothing remote.
-    credit_seen: Vec<Cell<u32>>,
-    reserved: Vec<Cell<bool>>,
-    tag: Cell<u32>,
+    rings: Vec<Ring>,
     /// Whether this rank has published a wait in its header.
     blocked: Cell<bool>,
 }
 
-impl ShmTransport {
-    /// Builds the transport from this rank's own segment and the mapped segments of its peers
-    /// (`peers[rank]` must be `None`).
-    pub fn new(own: Segment, peers: Vec<Option<Segment>>, policy: WaitPolicy) -> ShmTransport {
+impl ShmLink {
+    /// Builds the link from this rank's own segment and the mapped segments of its peers (`peers[rank]`
+    /// must be `None`; so is every peer reached otherwise).
+    pub fn new(own: Segment, peers: Vec<Option<Segment>>, policy: WaitPolicy) -> ShmLink {
         let layout = own.layout;
         let rank = own.owner;
-        assert_eq!(peers.len(), layout.world);
-        assert!(peers[rank].is_none());
-        let n = layout.world;
-        ShmTransport {
+        debug_assert_eq!(peers.len(), layout.world);
+        debug_assert!(peers[rank].is_none());
+        ShmLink {
+            id: LinkId::new(),
             maps: Arc::new(Mappings { rank, own, peers }),
             layout,
             policy,
-            sent: (0..n).map(|_| Cell::new(0)).collect(),
-            recvd: (0..n).map(|_| Cell::new(0)).collect(),
-            credit_seen: (0..n).map(|_| Cell::new(0)).collect(),
-            reserved: (0..n).map(|_| Cell::new(false)).collect(),
-            tag: Cell::new(0),
+            rings: (0..layout.world * layout.channels)
+                .map(|_| Ring::default())
+                .collect(),
             blocked: Cell::new(false),
         }
     }
 
-    /// The handle other threads use to wake or fail this transport.
-    pub fn mappings(&self) -> Arc<Mappings> {
-        self.maps.clone()
+    fn ring(&self, peer: usize, ch: usize) -> Result<&Ring, Error> {
+        if ch >= self.layout.channels || self.peer(peer).is_none() {
+            return Err(misuse(
+                "shm",
+                format!("no ring to rank {peer} on channel {ch}"),
+            ));
+        }
+        Ok(&self.rings[peer * self.layout.channels + ch])
     }
 
-    /// Payload capacity of one slot.
-    pub fn slot_bytes(&self) -> usize {
-        self.layout.slot_bytes
-    }
-
-    /// Sets the tag stamped on every message from now on (the collective's sequence number); a received
-    /// message with another tag is a mismatch between ranks.
-    pub fn set_tag(&self, tag: u32) {
-        self.tag.set(tag);
-    }
-
-    fn peer(&self, p: usize) -> &Segment {
-        self.maps.peers[p].as_ref().expect("no channel to self")
+    fn peer(&self, p: usize) -> Option<&Segment> {
+        self.maps.peers.get(p).and_then(Option::as_ref)
     }
 
     /// Called between sleeps of a blocked wait: publishes whom we wait for, and checks that peer.
-    fn check_peer(&self, ctx: &WaitCtx<'_>, p: usize) -> Result<(), Error> {
+    fn check_peer(&self, ctx: &WaitCtx<'_>, p: usize, seg: &Segment) -> Result<(), Error> {
         if !self.blocked.get() {
             self.blocked.set(true);
             self.maps
@@ -419,7 +435,6 @@ impl ShmTransport {
                 .word(H_WAITING_ON)
                 .store(p as u32 + 1, Ordering::Release);
         }
-        let seg = self.peer(p);
         if seg.failed() {
             return Err(ctx.peer_failed(p, "failed or aborted"));
         }
@@ -452,7 +467,7 @@ impl ShmTransport {
                         &self.maps.own
                     } else {
                         // A peer reached over another transport publishes nothing here.
-                        match self.maps.peers[cur].as_ref() {
+                        match self.peer(cur) {
                             Some(seg) => seg,
                             None => break,
                         }
@@ -496,65 +511,109 @@ impl ShmTransport {
         }
     }
 
-    /// Waits for a free slot in `to`'s channel from this rank and hands it out for writing.
-    pub fn send_slot(&self, to: usize, ctx: &WaitCtx<'_>) -> Result<SendSlot<'_>, Error> {
-        assert!(!self.reserved[to].get(), "slot to rank {to} reserved twice");
-        let seg = self.peer(to);
-        let me = self.maps.rank;
-        let consumed = seg.ctrl(me, C_CONSUMED);
-        let s = self.sent[to].get();
+    fn has_credit(&self, ring: &Ring, seg: &Segment, ch: usize) -> bool {
         let slots = self.layout.slots as u32;
-        if s.wrapping_sub(self.credit_seen[to].get()) >= slots {
-            let has_credit = || {
-                let c = consumed.load(Ordering::Acquire);
-                self.credit_seen[to].set(c);
-                s.wrapping_sub(c) < slots
-            };
-            let r = wait_until(
-                &self.policy,
-                ctx,
-                to,
-                "a free slot",
-                consumed,
-                seg.ctrl(me, C_SEND_WAITING),
-                has_credit,
-                || self.check_peer(ctx, to),
-            );
-            self.end_wait(r)?;
+        let s = ring.reserved.get();
+        if s.wrapping_sub(ring.credit_seen.get()) < slots {
+            return true;
         }
-        let ptr = seg.slot_ptr(me, (s % slots) as usize);
-        self.reserved[to].set(true);
-        // SAFETY: the slot is ours until posted: the receiver has consumed it (credit checked above) and
-        // will not touch it before `posted` moves past it; `reserved` prevents handing it out twice.
-        let data =
-            unsafe { std::slice::from_raw_parts_mut(ptr.add(SLOT_HDR), self.layout.slot_bytes) };
-        Ok(SendSlot {
-            t: self,
-            to,
-            hdr: ptr,
-            data,
-        })
+        let c = seg
+            .ctrl(self.maps.rank, ch, C_CONSUMED)
+            .load(Ordering::Acquire);
+        ring.credit_seen.set(c);
+        s.wrapping_sub(c) < slots
+    }
+}
+
+impl Link for ShmLink {
+    fn name(&self) -> &'static str {
+        "shm"
     }
 
-    /// Waits for the next message from `from` and returns it in place.
-    pub fn recv(&self, from: usize, ctx: &WaitCtx<'_>) -> Result<RecvSlot<'_>, Error> {
+    fn slot_bytes(&self) -> usize {
+        self.layout.slot_bytes
+    }
+
+    fn channels(&self) -> usize {
+        self.layout.channels
+    }
+
+    fn try_reserve(
+        &self,
+        peer: usize,
+        ch: usize,
+        _ctx: &WaitCtx<'_>,
+    ) -> Result<Option<SendSlot>, Error> {
+        let ring = self.ring(peer, ch)?;
+        let seg = self.peer(peer).expect("checked by ring()");
+        if !self.has_credit(ring, seg, ch) {
+            return Ok(None);
+        }
+        let s = ring.reserved.get();
+        ring.reserved.set(s.wrapping_add(1));
+        let ptr = seg.slot_ptr(self.maps.rank, ch, (s % self.layout.slots as u32) as usize);
+        // SAFETY: the slot is ours until posted: the receiver has released it (credit checked above) and
+        // will not touch it before its sequence word moves past it; `reserved` hands it out once. The
+        // payload lies within the mapping, which lives as long as the link.
+        let slot = unsafe {
+            let span = Span::host(ptr.add(SLOT_HDR), self.layout.slot_bytes);
+            SendSlot::new(self.id, peer, ch, s, span)
+        };
+        Ok(Some(slot))
+    }
+
+    fn post(&self, slot: SendSlot, len: usize, tag: u32, _ctx: &WaitCtx<'_>) -> Result<(), Error> {
+        let ring = self.ring(slot.peer, slot.ch)?;
+        check_token(
+            "shm",
+            self.id,
+            slot.link,
+            slot.msg,
+            ring.posted.get(),
+            "post",
+        )?;
+        if len > self.layout.slot_bytes {
+            return Err(misuse(
+                "shm",
+                format!(
+                    "posting {len} bytes into a slot of {}",
+                    self.layout.slot_bytes
+                ),
+            ));
+        }
+        let me = self.maps.rank;
+        let seg = self.peer(slot.peer).expect("checked by ring()");
+        let s = slot.msg;
+        let index = (s % self.layout.slots as u32) as usize;
+        let hdr = seg.slot_ptr(me, slot.ch, index);
+        // SAFETY: `hdr` points at this slot's header, which we own until the store below.
+        unsafe {
+            hdr.add(S_LEN).cast::<u32>().write_volatile(len as u32);
+            hdr.add(S_TAG).cast::<u32>().write_volatile(tag);
+        }
+        ring.posted.set(s.wrapping_add(1));
+        let seq = seg.slot_seq(me, slot.ch, index);
+        seq.store(s.wrapping_add(1), Ordering::SeqCst);
+        if seg.ctrl(me, slot.ch, C_RECV_WAITING).load(Ordering::SeqCst) != 0 {
+            futex_wake(seq);
+        }
+        Ok(())
+    }
+
+    fn try_recv(
+        &self,
+        peer: usize,
+        ch: usize,
+        ctx: &WaitCtx<'_>,
+    ) -> Result<Option<RecvSlot>, Error> {
+        let ring = self.ring(peer, ch)?;
         let own = &self.maps.own;
-        let r = self.recvd[from].get();
+        let r = ring.recvd.get();
         let index = (r % self.layout.slots as u32) as usize;
-        let seq = own.slot_seq(from, index);
-        let want = r.wrapping_add(1);
-        let r = wait_until(
-            &self.policy,
-            ctx,
-            from,
-            "data",
-            seq,
-            own.ctrl(from, C_RECV_WAITING),
-            || seq.load(Ordering::Acquire) == want,
-            || self.check_peer(ctx, from),
-        );
-        self.end_wait(r)?;
-        let ptr = own.slot_ptr(from, index);
+        if own.slot_seq(peer, ch, index).load(Ordering::Acquire) != r.wrapping_add(1) {
+            return Ok(None);
+        }
+        let ptr = own.slot_ptr(peer, ch, index);
         // SAFETY: the slot header is within the mapping; the sender wrote it before the Release store of
         // the sequence word that the Acquire load above observed.
         let (len, tag) = unsafe {
@@ -563,108 +622,188 @@ impl ShmTransport {
                 ptr.add(S_TAG).cast::<u32>().read_volatile(),
             )
         };
-        let mismatch = |detail: String| Error::Mismatch {
-            rank: self.maps.rank,
-            peer: from,
-            collective: ctx.collective.to_string(),
-            seq: ctx.seq,
-            detail,
-        };
         if len as usize > self.layout.slot_bytes {
-            return Err(mismatch(format!(
-                "message of {len} bytes exceeds the slot size {}",
-                self.layout.slot_bytes
-            )));
+            return Err(Error::Mismatch {
+                rank: self.maps.rank,
+                peer,
+                collective: ctx.collective.to_string(),
+                seq: ctx.seq,
+                detail: format!(
+                    "message of {len} bytes exceeds the slot size {}",
+                    self.layout.slot_bytes
+                ),
+            });
         }
-        if tag != self.tag.get() {
-            return Err(mismatch(format!(
-                "message belongs to collective #{tag}, this rank is at #{}",
-                self.tag.get()
-            )));
-        }
+        ring.recvd.set(r.wrapping_add(1));
         // SAFETY: `len` was checked against the slot size; the sender will not write this slot again
-        // until we return the credit in `RecvSlot::drop`.
-        let data = unsafe { std::slice::from_raw_parts(ptr.add(SLOT_HDR), len as usize) };
-        Ok(RecvSlot {
-            t: self,
-            from,
-            data,
-        })
-    }
-}
-
-/// A reserved slot in a peer's segment; write the payload, then [`SendSlot::post`] it.
-pub struct SendSlot<'a> {
-    t: &'a ShmTransport,
-    to: usize,
-    hdr: *mut u8,
-    data: &'a mut [u8],
-}
-
-impl SendSlot<'_> {
-    /// The slot's payload area (its capacity is the slot size).
-    pub fn data(&mut self) -> &mut [u8] {
-        self.data
+        // until we return the credit in `release`; the mapping lives as long as the link.
+        let slot = unsafe {
+            let span = Span::host(ptr.add(SLOT_HDR), len as usize);
+            RecvSlot::new(self.id, peer, ch, r, tag, span)
+        };
+        Ok(Some(slot))
     }
 
-    /// Publishes the first `len` bytes to the receiver.
-    pub fn post(self, len: usize) {
-        assert!(
-            len <= self.data.len(),
-            "posting {len} bytes into a slot of {}",
-            self.data.len()
-        );
-        let t = self.t;
-        let me = t.maps.rank;
-        // SAFETY: `hdr` points at this slot's header, which we own until the store below.
-        unsafe {
-            self.hdr.add(S_LEN).cast::<u32>().write_volatile(len as u32);
-            self.hdr
-                .add(S_TAG)
-                .cast::<u32>()
-                .write_volatile(t.tag.get());
+    fn release(&self, slot: RecvSlot) -> Result<(), Error> {
+        let ring = self.ring(slot.peer, slot.ch)?;
+        check_token(
+            "shm",
+            self.id,
+            slot.link,
+            slot.msg,
+            ring.released.get(),
+            "release",
+        )?;
+        let r = slot.msg.wrapping_add(1);
+        ring.released.set(r);
+        let own = &self.maps.own;
+        own.ctrl(slot.peer, slot.ch, C_CONSUMED)
+            .store(r, Ordering::SeqCst);
+        if own
+            .ctrl(slot.peer, slot.ch, C_SEND_WAITING)
+            .load(Ordering::SeqCst)
+            != 0
+        {
+            futex_wake(own.ctrl(slot.peer, slot.ch, C_CONSUMED));
         }
-        let seg = t.peer(self.to);
-        let s = t.sent[self.to].get();
-        t.sent[self.to].set(s.wrapping_add(1));
-        let seq = seg.slot_seq(me, (s % t.layout.slots as u32) as usize);
-        seq.store(s.wrapping_add(1), Ordering::SeqCst);
-        if seg.ctrl(me, C_RECV_WAITING).load(Ordering::SeqCst) != 0 {
-            futex_wake(seq);
+        Ok(())
+    }
+
+    fn wait(
+        &self,
+        peer: usize,
+        ch: usize,
+        event: Event,
+        ctx: &WaitCtx<'_>,
+        until: Instant,
+    ) -> Result<(), Error> {
+        let ring = self.ring(peer, ch)?;
+        let seg = self.peer(peer).expect("checked by ring()");
+        let me = self.maps.rank;
+        let r = match event {
+            Event::Data => {
+                let own = &self.maps.own;
+                let r = ring.recvd.get();
+                let seq = own.slot_seq(peer, ch, (r % self.layout.slots as u32) as usize);
+                let want = r.wrapping_add(1);
+                wait_until(
+                    &self.policy,
+                    ctx,
+                    until,
+                    peer,
+                    event.describe(),
+                    seq,
+                    own.ctrl(peer, ch, C_RECV_WAITING),
+                    || seq.load(Ordering::Acquire) == want,
+                    || self.check_peer(ctx, peer, seg),
+                )
+            }
+            Event::Credit => wait_until(
+                &self.policy,
+                ctx,
+                until,
+                peer,
+                event.describe(),
+                seg.ctrl(me, ch, C_CONSUMED),
+                seg.ctrl(me, ch, C_SEND_WAITING),
+                || self.has_credit(ring, seg, ch),
+                || self.check_peer(ctx, peer, seg),
+            ),
+        };
+        self.end_wait(r)
+    }
+
+    fn abort_handle(&self) -> Arc<dyn AbortHandle> {
+        self.maps.clone()
+    }
+}
+
+/// Shared memory between the ranks of one host: the [`Transport`] that makes [`ShmLink`]s.
+pub struct Shm {
+    dir: PathBuf,
+}
+
+impl Shm {
+    /// Segments go in `dir` (normally `/dev/shm`).
+    pub fn new(dir: impl Into<PathBuf>) -> Shm {
+        Shm { dir: dir.into() }
+    }
+}
+
+impl Transport for Shm {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn scope(&self) -> Scope {
+        Scope::Host
+    }
+
+    fn prepare(self: Box<Self>, ctx: &SetupCtx) -> Result<Box<dyn Prepared>, Error> {
+        sweep_stale(&self.dir);
+        let nonce = ctx.nonce;
+        let name = format!("braid-{nonce:016x}-r{}", ctx.geometry.rank);
+        let g = ctx.geometry;
+        let layout = Layout {
+            world: g.world,
+            channels: g.channels,
+            slots: g.slots,
+            slot_bytes: g.slot_bytes,
+        };
+        let own = Segment::create(&self.dir.join(name), layout, g.rank)?;
+        Ok(Box::new(ShmPrepared { own, layout }))
+    }
+}
+
+/// A segment created and not yet mapped by peers.
+struct ShmPrepared {
+    own: Segment,
+    layout: Layout,
+}
+
+impl Prepared for ShmPrepared {
+    fn endpoint(&self) -> Vec<u8> {
+        self.own.path().as_os_str().as_encoded_bytes().to_vec()
+    }
+
+    fn connect(
+        self: Box<Self>,
+        ctx: &SetupCtx,
+        peers: &[Option<&Peer>],
+    ) -> Result<Box<dyn Connected>, Error> {
+        let mut maps = Vec::with_capacity(peers.len());
+        for (p, peer) in peers.iter().enumerate() {
+            let Some(peer) = peer else {
+                maps.push(None);
+                continue;
+            };
+            let blob = peer.endpoint("shm").unwrap_or_default();
+            let path = std::str::from_utf8(blob).map_err(|_| {
+                Error::Bootstrap(format!(
+                    "rank {p} published a segment path that is not UTF-8"
+                ))
+            })?;
+            maps.push(Some(Segment::open(Path::new(path), self.layout, p)?));
         }
+        Ok(Box::new(ShmConnected {
+            own: self.own,
+            peers: maps,
+            policy: ctx.policy,
+        }))
     }
 }
 
-impl Drop for SendSlot<'_> {
-    fn drop(&mut self) {
-        self.t.reserved[self.to].set(false);
-    }
+/// Segments mapped both ways; the names go once every rank has mapped every segment.
+struct ShmConnected {
+    own: Segment,
+    peers: Vec<Option<Segment>>,
+    policy: WaitPolicy,
 }
 
-/// A received message, read in place; dropping it returns the slot to the sender.
-pub struct RecvSlot<'a> {
-    t: &'a ShmTransport,
-    from: usize,
-    data: &'a [u8],
-}
-
-impl RecvSlot<'_> {
-    /// The payload.
-    pub fn data(&self) -> &[u8] {
-        self.data
-    }
-}
-
-impl Drop for RecvSlot<'_> {
-    fn drop(&mut self) {
-        let t = self.t;
-        let own = &t.maps.own;
-        let r = t.recvd[self.from].get().wrapping_add(1);
-        t.recvd[self.from].set(r);
-        own.ctrl(self.from, C_CONSUMED).store(r, Ordering::SeqCst);
-        if own.ctrl(self.from, C_SEND_WAITING).load(Ordering::SeqCst) != 0 {
-            futex_wake(own.ctrl(self.from, C_CONSUMED));
-        }
+impl Connected for ShmConnected {
+    fn activate(self: Box<Self>) -> Result<Box<dyn Link>, Error> {
+        self.own.unlink()?;
+        Ok(Box::new(ShmLink::new(self.own, self.peers, self.policy)))
     }
 }
 

@@ -1,0 +1,101 @@
+//! Which transports a rank offers, in order of preference, from its configuration.
+//!
+//! This is the one place that lists the transports: a new one adds its module and a line here.
+
+use std::net::SocketAddr;
+
+use braid_core::{Config, Error};
+
+use crate::setup::Transport;
+
+/// Every transport braid knows, in the order `auto` prefers them.
+const KNOWN: &[&str] = &["shm", "tcp"];
+
+/// The names `BRAID_TRANSPORT` accepts besides `auto`.
+pub fn transport_names() -> &'static [&'static str] {
+    KNOWN
+}
+
+/// The transports a configuration allows, in order of preference, and the setting they came from.
+pub struct TransportChoice {
+    /// The transports.
+    pub transports: Vec<Box<dyn Transport>>,
+    /// `BRAID_TRANSPORT` as given, for messages.
+    pub setting: String,
+}
+
+/// Parses `BRAID_TRANSPORT` (`auto`, or a comma-separated list of names in order of preference).
+fn names(setting: &str) -> Result<Vec<&'static str>, Error> {
+    let s = setting.trim().to_ascii_lowercase();
+    if s.is_empty() || s == "auto" {
+        return Ok(KNOWN.to_vec());
+    }
+    let mut out = Vec::new();
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let Some(name) = KNOWN.iter().find(|k| **k == item) else {
+            return Err(Error::invalid(format!(
+                "BRAID_TRANSPORT={setting:?}: {item:?} is not a transport (auto, {})",
+                KNOWN.join(", ")
+            )));
+        };
+        if !out.contains(name) {
+            out.push(*name);
+        }
+    }
+    if out.is_empty() {
+        return Err(Error::invalid(format!(
+            "BRAID_TRANSPORT={setting:?} names no transport"
+        )));
+    }
+    Ok(out)
+}
+
+/// The transports `config` allows for a communicator of `world` ranks whose root listens at `root`
+/// (TCP listens on the interface that routes there, unless `BRAID_SOCKET_IFNAME` says otherwise).
+pub fn transports(
+    config: &Config,
+    world: usize,
+    root: SocketAddr,
+) -> Result<TransportChoice, Error> {
+    let wanted = names(&config.transport)?;
+    let mut transports: Vec<Box<dyn Transport>> = Vec::new();
+    if world > 1 {
+        for name in wanted {
+            match name {
+                "shm" => transports.push(Box::new(crate::shm::Shm::new("/dev/shm"))),
+                "tcp" => {
+                    let ip = crate::tcp::choose_ip(config.socket_ifname.as_deref(), root)?;
+                    transports.push(Box::new(crate::tcp::Tcp::new(ip, config.sockets_per_peer)));
+                }
+                other => {
+                    return Err(Error::Internal(format!(
+                        "transport {other} is listed but not built"
+                    )))
+                }
+            }
+        }
+    }
+    Ok(TransportChoice {
+        transports,
+        setting: config.transport.clone(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_parse_in_order_and_bad_names_are_named() {
+        assert_eq!(names("auto").unwrap(), vec!["shm", "tcp"]);
+        assert_eq!(names("").unwrap(), vec!["shm", "tcp"]);
+        assert_eq!(names("TCP").unwrap(), vec!["tcp"]);
+        assert_eq!(names("tcp, shm,tcp").unwrap(), vec!["tcp", "shm"]);
+        let e = names("shm,carrier-pigeon").unwrap_err().to_string();
+        assert!(
+            e.contains("carrier-pigeon") && e.contains("auto, shm, tcp"),
+            "{e}"
+        );
+        assert!(names(",").is_err());
+    }
+}
