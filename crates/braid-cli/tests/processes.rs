@@ -598,6 +598,11 @@ fn test_tune_writes_a_file_the_runtime_uses() {
         text.contains("\"world\": 2") && text.contains("\"world\": 3"),
         "{text}"
     );
+    // Collectives are written by their canonical name.
+    assert!(
+        text.contains("\"collective\": \"all_reduce\"") && !text.contains("allreduce"),
+        "{text}"
+    );
     // A run with the file: its choices come from the table.
     let o = braid_run(
         2,

@@ -50,7 +50,7 @@ pub struct Config {
     /// How long a wait spins before it blocks, in microseconds (`BRAID_SPIN_US`; default: 20 when there
     /// are at least as many cores as local ranks, 0 when ranks outnumber cores).
     pub spin_us: Option<u64>,
-    /// Algorithm policy from `BRAID_ALGO` (e.g. `allreduce:tree;allgather:^direct`); `None` lets braid
+    /// Algorithm policy from `BRAID_ALGO` (e.g. `all_reduce:tree;all_gather:^direct`); `None` lets braid
     /// choose.
     pub algo: Option<String>,
     /// Tuning file written by `braid tune` (`BRAID_TUNE_FILE`).

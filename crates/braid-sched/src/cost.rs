@@ -21,9 +21,10 @@
 //!
 //! Across hosts there are two link classes ([`HostLinks`]): [`flat_ring_cost`] and [`hier_cost`] model
 //! the flat ring and the hierarchical all-reduce on them, and [`flat_ring_traffic`] and
-//! [`hier_traffic`] count what each rank sends and how much of it leaves its host.
+//! [`hier_traffic`] count what each rank sends and how much of it leaves its host. [`traffic`] picks
+//! among these the way [`crate::plan`] picks the schedule.
 
-use crate::{chunks_needed, hier, partition, rhd, tree};
+use crate::{chunks_needed, hier, partition, rhd, tree, Algo, Collective, PlanSpec};
 
 /// Costs of one link, in microseconds.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -37,18 +38,18 @@ pub struct LinkCost {
 }
 
 /// The modelled time, in microseconds, of an all-reduce of `bytes` bytes on `world` ranks with
-/// algorithm `algo` (`"ring"`, `"tree"`, `"rhd"` or `"direct"`; any other name costs infinity, so a
-/// selector never picks it). Partials weigh `acc_bytes_factor` times the data; a message carries at
-/// most `chunk_bytes` bytes of partials. One rank costs nothing.
+/// algorithm `algo` on one class of links. [`Algo::Hier`] needs the hosts (see [`hier_cost`]) and
+/// costs infinity here, so a selector never picks it on this model. Partials weigh `acc_bytes_factor`
+/// times the data; a message carries at most `chunk_bytes` bytes of partials. One rank costs nothing.
 pub fn all_reduce_cost(
-    algo: &str,
+    algo: Algo,
     world: usize,
     bytes: usize,
     acc_bytes_factor: f64,
     chunk_bytes: usize,
     link: &LinkCost,
 ) -> f64 {
-    if !matches!(algo, "ring" | "tree" | "rhd" | "direct") {
+    if algo == Algo::Hier {
         return f64::INFINITY;
     }
     if world <= 1 {
@@ -60,11 +61,11 @@ pub fn all_reduce_cost(
     // Messages for a range of `partial` accumulator bytes (at least one).
     let msgs = |partial: f64| (partial / slot).ceil().max(1.0);
     match algo {
-        "ring" => {
+        Algo::Ring => {
             let k = msgs(b * f / n);
             2.0 * (n - 1.0) * k * a + (n - 1.0) / n * b * ((1.0 + f) * be + f * g)
         }
-        "tree" => {
+        Algo::Tree => {
             let k = msgs(b * f / 2.0);
             let (sp, sd) = (b * f / 2.0 / k, b / 2.0 / k);
             let h = tree::height(world) as f64;
@@ -84,7 +85,7 @@ pub fn all_reduce_cost(
             // Interior nodes accumulate in scratch: one more pass over the data.
             fill + (k - 1.0) * period + b * f * g
         }
-        "rhd" => {
+        Algo::Rhd => {
             let p = rhd::fold_size(world);
             let mut t = 0.0;
             let mut part = b;
@@ -98,20 +99,21 @@ pub fn all_reduce_cost(
             // The whole buffer is loaded into scratch first and is not pipelined with the exchanges.
             t + b * f * g
         }
-        "direct" => msgs(b * f) * a + (n - 1.0) * b * (be + f * g),
-        _ => f64::INFINITY,
+        Algo::Direct => msgs(b * f) * a + (n - 1.0) * b * (be + f * g),
+        Algo::Hier => unreachable!("costed above"),
     }
 }
 
-/// What rank `rank` sends in the all-reduce schedule `algo` (`"ring"`, `"tree"`, `"rhd"` or `"direct"`)
-/// of `count` elements of `elem_bytes` bytes (partials `acc_bytes`), `chunk` elements per message:
-/// `(messages, payload bytes)`, exactly as the schedule's actions do.
+/// What rank `rank` sends in the flat all-reduce schedule `algo` of `count` elements of `elem_bytes`
+/// bytes (partials `acc_bytes`), `chunk` elements per message: `(messages, payload bytes)`, exactly as
+/// the schedule's actions do. On a flat world [`Algo::Hier`] is the ring, as [`crate::plan`] runs it;
+/// the ring is the single-channel one ([`traffic`] counts channels and hosts).
 ///
 /// # Panics
 ///
-/// On an unknown algorithm, a rank outside the world or a zero chunk.
+/// On a rank outside the world or a zero chunk.
 pub fn all_reduce_traffic(
-    algo: &str,
+    algo: Algo,
     world: usize,
     rank: usize,
     count: usize,
@@ -119,67 +121,174 @@ pub fn all_reduce_traffic(
     acc_bytes: usize,
     chunk: usize,
 ) -> (usize, usize) {
-    assert!(
-        matches!(algo, "ring" | "tree" | "rhd" | "direct"),
-        "unknown algorithm {algo:?}"
+    flat_sends(algo, world, rank, count, elem_bytes, acc_bytes, chunk, 1)
+        .into_iter()
+        .fold((0, 0), |(m, b), s| (m + s.messages, b + s.bytes))
+}
+
+/// What rank `spec.rank` sends in the all-reduce schedule that [`crate::plan`] builds for `spec`
+/// (`count` elements of `elem_bytes` bytes, partials of `acc_bytes`): across several hosts the ring
+/// host by host ([`flat_ring_traffic`]) or the hierarchical schedule ([`hier_traffic`]), the others
+/// as on a flat world with the bytes to other hosts counted; on one host the ring on
+/// `spec.channels` rings, and [`Algo::Hier`] as the single ring.
+///
+/// # Panics
+///
+/// If `spec.collective` is not all-reduce, and as [`crate::plan`].
+pub fn traffic(spec: &PlanSpec<'_>, elem_bytes: usize, acc_bytes: usize) -> Traffic {
+    assert_eq!(
+        spec.collective,
+        Collective::AllReduce,
+        "traffic is modelled for all-reduce only"
     );
+    let (hosts, rank, count, chunk) = (spec.hosts, spec.rank, spec.count, spec.chunk);
+    let multi = spec.multi_host();
+    match spec.algo {
+        Algo::Ring if multi => flat_ring_traffic(hosts, rank, count, elem_bytes, acc_bytes, chunk),
+        Algo::Hier if multi => hier_traffic(hosts, rank, count, elem_bytes, acc_bytes, chunk),
+        algo => {
+            let channels = if algo == Algo::Ring { spec.channels } else { 1 };
+            let host_of = |r: usize| {
+                multi.then(|| {
+                    hosts
+                        .iter()
+                        .position(|h| h.contains(&r))
+                        .expect("every rank is on a host")
+                })
+            };
+            let home = host_of(rank);
+            let mut t = Traffic::default();
+            let sends = flat_sends(
+                algo, spec.world, rank, count, elem_bytes, acc_bytes, chunk, channels,
+            );
+            for s in sends {
+                t.messages += s.messages;
+                t.bytes += s.bytes;
+                if host_of(s.to) != home {
+                    t.inter_host_bytes += s.bytes;
+                }
+            }
+            t
+        }
+    }
+}
+
+/// Messages and payload bytes one rank sends to one peer.
+struct Sends {
+    to: usize,
+    messages: usize,
+    bytes: usize,
+}
+
+/// What rank `rank` sends, peer by peer, in the flat all-reduce `algo` (the ring on `channels` rings;
+/// [`Algo::Hier`] is the single ring).
+#[allow(clippy::too_many_arguments)]
+fn flat_sends(
+    algo: Algo,
+    world: usize,
+    rank: usize,
+    count: usize,
+    elem_bytes: usize,
+    acc_bytes: usize,
+    chunk: usize,
+    channels: usize,
+) -> Vec<Sends> {
     assert!(rank < world, "rank {rank} out of range for world {world}");
     assert!(chunk > 0, "chunk of zero elements");
     if world == 1 {
-        return (0, 0);
+        return Vec::new();
     }
     let n = world;
     let pieces = |len: usize| len.div_ceil(chunk);
+    let send = |to, messages, bytes| Sends {
+        to,
+        messages,
+        bytes,
+    };
     match algo {
-        "ring" => {
-            // Partials of every segment but its own, results of every segment but the next rank's, in
-            // 2(n-1) messages per chunk position (empty ones included).
-            let segs = partition(count, n);
-            let positions = chunks_needed(&segs, chunk);
-            let partials = count - segs[rank].len();
-            let results = count - segs[(rank + 1) % n].len();
-            (
-                2 * (n - 1) * positions,
-                partials * acc_bytes + results * elem_bytes,
-            )
+        Algo::Ring | Algo::Hier => {
+            // Per ring (odd ones reversed, sending to the previous rank): partials of every segment
+            // but its own, results of every segment but the next rank's, in 2(n-1) messages per chunk
+            // position (empty ones included); the rings share the chunk positions.
+            let channels = if algo == Algo::Ring {
+                channels.max(1)
+            } else {
+                1
+            };
+            let parts: Vec<Vec<_>> = partition(count, channels)
+                .iter()
+                .map(|p| partition(p.len(), n))
+                .collect();
+            let positions = parts
+                .iter()
+                .map(|segs| chunks_needed(segs, chunk))
+                .max()
+                .unwrap_or(1);
+            parts
+                .iter()
+                .enumerate()
+                .map(|(c, segs)| {
+                    let reversed = c % 2 == 1;
+                    let v = if reversed { (n - rank) % n } else { rank };
+                    let to = if reversed {
+                        (rank + n - 1) % n
+                    } else {
+                        (rank + 1) % n
+                    };
+                    let len: usize = segs.iter().map(|s| s.len()).sum();
+                    let partials = len - segs[v].len();
+                    let results = len - segs[(v + 1) % n].len();
+                    send(
+                        to,
+                        2 * (n - 1) * positions,
+                        partials * acc_bytes + results * elem_bytes,
+                    )
+                })
+                .collect()
         }
-        "direct" => {
+        Algo::Direct => {
             let positions = chunks_needed(std::slice::from_ref(&(0..count)), chunk);
-            ((n - 1) * positions, (n - 1) * count * elem_bytes)
+            (1..n)
+                .map(|k| send((rank + k) % n, positions, count * elem_bytes))
+                .collect()
         }
-        "tree" => {
+        Algo::Tree => {
             // Per tree: the half goes up once (partials) and down to each child (results).
             let halves = partition(count, 2);
-            let mut out = (0, 0);
+            let mut out = Vec::new();
             for (node, half) in tree::double_tree(n, rank).iter().zip(&halves) {
-                let up = usize::from(node.parent.is_some());
-                let kids = node.children.len();
-                out.0 += pieces(half.len()) * (up + kids);
-                out.1 += half.len() * (up * acc_bytes + kids * elem_bytes);
+                let k = pieces(half.len());
+                if let Some(p) = node.parent {
+                    out.push(send(p, k, half.len() * acc_bytes));
+                }
+                for &ch in &node.children {
+                    out.push(send(ch, k, half.len() * elem_bytes));
+                }
             }
             out
         }
-        "rhd" => {
+        Algo::Rhd => {
             let p = rhd::fold_size(n);
             if rank >= p {
-                return (pieces(count), count * acc_bytes);
+                return vec![send(rank - p, pieces(count), count * acc_bytes)];
             }
-            let mut out = (0, 0);
+            let mut out = Vec::new();
             let mut cur = 0..count;
             for k in 0..p.trailing_zeros() {
                 let (keep, give) = rhd::halves(&cur, rank >> k & 1 == 1);
                 // Halving gives `give` away as partials; doubling later sends `keep`, finished.
-                out.0 += pieces(give.len()) + pieces(keep.len());
-                out.1 += give.len() * acc_bytes + keep.len() * elem_bytes;
+                out.push(send(
+                    rank ^ (1 << k),
+                    pieces(give.len()) + pieces(keep.len()),
+                    give.len() * acc_bytes + keep.len() * elem_bytes,
+                ));
                 cur = keep;
             }
             if rank + p < n {
-                out.0 += pieces(count);
-                out.1 += count * elem_bytes;
+                out.push(send(rank + p, pieces(count), count * elem_bytes));
             }
             out
         }
-        _ => unreachable!("checked above"),
     }
 }
 
@@ -330,7 +439,8 @@ pub fn flat_ring_traffic(
         .position(|&r| r == rank)
         .expect("located above");
     // The ring's traffic depends only on the position on the ring.
-    let (messages, bytes) = all_reduce_traffic("ring", n, v, count, elem_bytes, acc_bytes, chunk);
+    let (messages, bytes) =
+        all_reduce_traffic(Algo::Ring, n, v, count, elem_bytes, acc_bytes, chunk);
     let next = order[(v + 1) % n];
     let crosses = n > 1 && hier::locate(hosts, next).0 != h;
     Traffic {

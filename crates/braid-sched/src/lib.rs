@@ -10,6 +10,9 @@
 //! host, all-reduces across hosts and gathers within each host; [`cost`] models both with one link class
 //! within hosts and one between them.
 //!
+//! [`plan`] is the one entry point from a [`Collective`], an [`Algo`] and the hosts to a rank's schedule;
+//! [`cost::traffic`] counts what that schedule sends.
+//!
 //! Actions are fused the way the data moves: "receive a partial, combine it with my input, put the result
 //! in the next peer's slot" is one action, so an executor can read each byte once.
 //!
@@ -24,13 +27,18 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod algo;
 pub mod cost;
 pub mod direct;
 pub mod hier;
+mod plan;
 pub mod rhd;
 pub mod ring;
 pub mod sim;
 pub mod tree;
+
+pub use algo::{Algo, Collective};
+pub use plan::{plan, PlanSpec};
 
 use std::ops::Range;
 

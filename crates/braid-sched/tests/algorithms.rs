@@ -5,19 +5,23 @@ mod common;
 
 use braid_core::{DType, ReduceOp};
 use braid_sched::cost::{all_reduce_cost, all_reduce_traffic, LinkCost};
-use braid_sched::{direct, rhd, ring, sim, tree, Action};
+use braid_sched::{direct, plan, sim, tree, Action, Algo, Collective, PlanSpec};
 use common::*;
 use proptest::prelude::*;
 
-/// The all-reduce schedule called `algo`.
-fn all_reduce(algo: &str, world: usize, rank: usize, count: usize, chunk: usize) -> Vec<Action> {
-    match algo {
-        "ring" => ring::all_reduce(world, rank, count, chunk),
-        "tree" => tree::all_reduce(world, rank, count, chunk),
-        "rhd" => rhd::all_reduce(world, rank, count, chunk),
-        "direct" => direct::all_reduce(world, rank, count, chunk),
-        _ => unreachable!(),
-    }
+/// The flat all-reduce schedule `algo`.
+fn all_reduce(algo: Algo, world: usize, rank: usize, count: usize, chunk: usize) -> Vec<Action> {
+    plan(&PlanSpec {
+        collective: Collective::AllReduce,
+        root: 0,
+        algo,
+        world,
+        rank,
+        count,
+        chunk,
+        hosts: &[],
+        channels: 1,
+    })
 }
 
 /// Every message fits in one slot of `chunk` elements.
@@ -40,7 +44,7 @@ proptest! {
 
     #[test]
     fn all_reduce_tree_and_rhd(dtype in dtypes(), op in ops(), world in worlds(), count in 0usize..300,
-        chunk in 1usize..40, depth in 2usize..=4, seed in any::<u64>(), algo in prop::sample::select(vec!["tree", "rhd"])) {
+        chunk in 1usize..40, depth in 2usize..=4, seed in any::<u64>(), algo in prop::sample::select(vec![Algo::Tree, Algo::Rhd])) {
         let ins = exact_inputs(dtype, op, world, count, seed);
         let want = reference(dtype, op, &ins);
         let p = plans(world, |r| all_reduce(algo, world, r, count, chunk));
@@ -53,7 +57,7 @@ proptest! {
 
     #[test]
     fn tree_and_rhd_bit_identical_for_any_floats(world in worlds(), count in 1usize..300,
-        chunk in 1usize..40, seed in any::<u64>(), algo in prop::sample::select(vec!["tree", "rhd"]),
+        chunk in 1usize..40, seed in any::<u64>(), algo in prop::sample::select(vec![Algo::Tree, Algo::Rhd]),
         op in prop::sample::select(vec![ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Prod, ReduceOp::Max])) {
         let ins = arbitrary_f32(world, count, seed);
         let p = plans(world, |r| all_reduce(algo, world, r, count, chunk));
@@ -158,7 +162,7 @@ fn every_world_and_small_counts() {
                 let (dtype, op) = (DType::BF16, ReduceOp::Avg);
                 let ins = exact_inputs(dtype, op, world, count, (world * 1000 + count) as u64);
                 let want = reference(dtype, op, &ins);
-                for algo in ["tree", "rhd"] {
+                for algo in [Algo::Tree, Algo::Rhd] {
                     let p = plans(world, |r| all_reduce(algo, world, r, count, chunk));
                     let out = sim::run(&p, dtype, op, &ins, count, 2)
                         .unwrap_or_else(|e| panic!("{algo} world {world} count {count}: {e}"));
@@ -187,7 +191,7 @@ fn traffic_matches_the_simulator() {
     ] {
         let (es, acc) = (dtype.size(), dtype.accumulator().size());
         let ins = exact_inputs(dtype, ReduceOp::Sum, world, count, 1);
-        for algo in ["ring", "tree", "rhd", "direct"] {
+        for algo in [Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Direct] {
             let p = plans(world, |r| all_reduce(algo, world, r, count, chunk));
             let out = sim::run(&p, dtype, ReduceOp::Sum, &ins, count, 2).unwrap();
             for r in 0..world {
@@ -209,9 +213,9 @@ fn tree_and_rhd_move_about_what_a_ring_moves() {
     for world in [16, 33] {
         let (count, chunk) = (world * 1024, 512);
         for r in 0..world {
-            let ring = all_reduce_traffic("ring", world, r, count, 4, 4, chunk).1;
-            let tree = all_reduce_traffic("tree", world, r, count, 4, 4, chunk).1;
-            let rhd = all_reduce_traffic("rhd", world, r, count, 4, 4, chunk).1;
+            let ring = all_reduce_traffic(Algo::Ring, world, r, count, 4, 4, chunk).1;
+            let tree = all_reduce_traffic(Algo::Tree, world, r, count, 4, 4, chunk).1;
+            let rhd = all_reduce_traffic(Algo::Rhd, world, r, count, 4, 4, chunk).1;
             if world.is_power_of_two() {
                 assert_eq!(rhd, ring);
             }
@@ -231,12 +235,12 @@ fn cost_model_ranks_algorithms() {
         gamma_us_per_byte: 1e-6,
     };
     let cost =
-        |a: &str, bytes: usize, link: &LinkCost| all_reduce_cost(a, 64, bytes, f, 1 << 16, link);
-    let ring = cost("ring", 4096, &slow_hops);
-    for a in ["tree", "rhd", "direct"] {
+        |a: Algo, bytes: usize, link: &LinkCost| all_reduce_cost(a, 64, bytes, f, 1 << 16, link);
+    let ring = cost(Algo::Ring, 4096, &slow_hops);
+    for a in [Algo::Tree, Algo::Rhd, Algo::Direct] {
         assert!(cost(a, 4096, &slow_hops) < ring / 4.0, "{a}");
     }
-    assert!(cost("direct", 4096, &slow_hops) < cost("tree", 4096, &slow_hops));
+    assert!(cost(Algo::Direct, 4096, &slow_hops) < cost(Algo::Tree, 4096, &slow_hops));
     // Bandwidth-bound: no latency, a large buffer: the ring moves the fewest bytes (rhd moves as many on
     // a power of two but pays an extra scratch pass), direct the most.
     let fast_hops = LinkCost {
@@ -246,20 +250,23 @@ fn cost_model_ranks_algorithms() {
     };
     for world in [6, 33, 64] {
         let bytes = 64 << 20;
-        let c = |a: &str| all_reduce_cost(a, world, bytes, 2.0, 1 << 20, &fast_hops);
-        let ring = c("ring");
-        assert!(ring < c("tree"), "world {world}");
-        assert!(ring < c("direct"), "world {world}");
-        assert!(ring < c("rhd"), "world {world}");
+        let c = |a: Algo| all_reduce_cost(a, world, bytes, 2.0, 1 << 20, &fast_hops);
+        let ring = c(Algo::Ring);
+        assert!(ring < c(Algo::Tree), "world {world}");
+        assert!(ring < c(Algo::Direct), "world {world}");
+        assert!(ring < c(Algo::Rhd), "world {world}");
     }
-    // Nothing to do on one rank; unknown algorithms are never chosen.
-    assert_eq!(all_reduce_cost("tree", 1, 1000, f, 100, &slow_hops), 0.0);
+    // Nothing to do on one rank; hier, which needs the hosts, is never chosen on one class of links.
     assert_eq!(
-        all_reduce_cost("bogus", 8, 1000, f, 100, &slow_hops),
+        all_reduce_cost(Algo::Tree, 1, 1000, f, 100, &slow_hops),
+        0.0
+    );
+    assert_eq!(
+        all_reduce_cost(Algo::Hier, 8, 1000, f, 100, &slow_hops),
         f64::INFINITY
     );
     // More latency or more bytes never costs less.
-    for a in ["ring", "tree", "rhd", "direct"] {
+    for a in [Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Direct] {
         let small = all_reduce_cost(a, 8, 1 << 10, f, 1 << 12, &slow_hops);
         let large = all_reduce_cost(a, 8, 1 << 24, f, 1 << 12, &slow_hops);
         assert!(small > 0.0 && small < large, "{a}");
@@ -268,7 +275,7 @@ fn cost_model_ranks_algorithms() {
 
 #[test]
 fn world_of_one_is_a_copy() {
-    for algo in ["tree", "rhd"] {
+    for algo in [Algo::Tree, Algo::Rhd] {
         assert_eq!(
             all_reduce(algo, 1, 0, 5, 2),
             vec![Action::Copy {

@@ -5,8 +5,10 @@
 mod common;
 
 use braid_core::{DType, ReduceOp};
-use braid_sched::cost::{flat_ring_cost, flat_ring_traffic, hier_cost, hier_traffic, HostLinks};
-use braid_sched::{hier, ring, sim, Action};
+use braid_sched::cost::{
+    flat_ring_cost, flat_ring_traffic, hier_cost, hier_traffic, traffic, HostLinks,
+};
+use braid_sched::{hier, plan, ring, sim, Action, Collective, PlanSpec};
 use common::*;
 use proptest::prelude::*;
 
@@ -257,6 +259,52 @@ proptest! {
 }
 
 proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, ..ProptestConfig::default() })]
+
+    /// `plan` for every all-reduce algorithm, on one host (with channels) or several, is exact, and
+    /// `cost::traffic` counts what it sends, and how much of it leaves the host, as the simulator does.
+    #[test]
+    fn planned_all_reduce_and_its_traffic(hosts in uneven_hosts(), count in 0usize..300,
+        chunk in 1usize..40, channels in 1usize..=3, flat in any::<bool>(),
+        dtype in prop::sample::select(vec![DType::F32, DType::BF16, DType::I8])) {
+        let n = world(&hosts);
+        let (es, acc) = (dtype.size(), dtype.accumulator().size());
+        let op = ReduceOp::Sum;
+        let ins = exact_inputs(dtype, op, n, count, 11);
+        let want = reference(dtype, op, &ins);
+        // A flat world: no hosts given, or all ranks on one.
+        let one = [(0..n).collect::<Vec<_>>()];
+        let layout: &[Vec<usize>] = if flat { &one } else { &hosts };
+        for &algo in Collective::AllReduce.algos() {
+            let spec = |rank| PlanSpec {
+                collective: Collective::AllReduce,
+                root: 0,
+                algo,
+                world: n,
+                rank,
+                count,
+                chunk,
+                hosts: layout,
+                channels,
+            };
+            let p = plans(n, |r| plan(&spec(r)));
+            let out = sim::run(&p, dtype, op, &ins, count, 2).unwrap();
+            for r in 0..n {
+                prop_assert_eq!(&out.outputs[r], &want, "{} rank {}", algo, r);
+                let t = traffic(&spec(r), es, acc);
+                let h = host_of(layout, r);
+                let away: usize = (0..n).filter(|&b| host_of(layout, b) != h).map(|b| out.link_bytes[r][b]).sum();
+                prop_assert_eq!(
+                    (t.messages, t.bytes, t.inter_host_bytes),
+                    (out.messages[r], out.bytes_sent[r], away),
+                    "{} rank {} of {:?}", algo, r, layout
+                );
+            }
+        }
+    }
+}
+
+proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     #[test]
@@ -459,7 +507,14 @@ fn cost_model_degenerate_cases() {
         beta_us_per_byte: l.intra_beta_us_per_byte,
         gamma_us_per_byte: l.gamma_us_per_byte,
     };
-    let ring = braid_sched::cost::all_reduce_cost("ring", 4, 1 << 20, 2.0, 1 << 16, &one_class);
+    let ring = braid_sched::cost::all_reduce_cost(
+        braid_sched::Algo::Ring,
+        4,
+        1 << 20,
+        2.0,
+        1 << 16,
+        &one_class,
+    );
     assert!(
         (one_host - ring).abs() < 1e-9 * ring,
         "{one_host} vs {ring}"
@@ -476,7 +531,14 @@ fn cost_model_degenerate_cases() {
         ..l
     };
     let flat = flat_ring_cost(&[8, 8], 64 << 20, 2.0, 1 << 17, &even);
-    let ring16 = braid_sched::cost::all_reduce_cost("ring", 16, 64 << 20, 2.0, 1 << 17, &one_class);
+    let ring16 = braid_sched::cost::all_reduce_cost(
+        braid_sched::Algo::Ring,
+        16,
+        64 << 20,
+        2.0,
+        1 << 17,
+        &one_class,
+    );
     assert!((flat - ring16).abs() < 1e-9 * ring16, "{flat} vs {ring16}");
     // More bytes never cost less.
     for sizes in [vec![2, 2], vec![4, 4, 4], vec![1, 3]] {

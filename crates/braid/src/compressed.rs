@@ -782,23 +782,18 @@ impl Communicator {
         let (es, acc) = (dtype.size(), dtype.accumulator().size());
         let (algo, _) = self.algorithm(Collective::AllReduce, count * es);
         let slot = self.config().chunk_bytes.next_multiple_of(64);
-        let chunk = (slot / acc).max(1);
-        let hosts = self.hosts();
-        let (r, cost) = (self.rank(), |name| {
-            braid_sched::cost::all_reduce_traffic(name, n, self.rank(), count, es, acc, chunk).1
-        });
-        let bytes = match (algo, hosts.len() > 1) {
-            (crate::Algo::Hier, true) => {
-                braid_sched::cost::hier_traffic(hosts, r, count, es, acc, chunk).bytes
-            }
-            (crate::Algo::Ring, true) => {
-                braid_sched::cost::flat_ring_traffic(hosts, r, count, es, acc, chunk).bytes
-            }
-            // On one host the hierarchical schedule is the ring.
-            (crate::Algo::Hier, false) => cost("ring"),
-            (a, _) => cost(a.name()),
+        let spec = braid_sched::PlanSpec {
+            collective: Collective::AllReduce,
+            root: 0,
+            algo,
+            world: n,
+            rank: self.rank(),
+            count,
+            chunk: (slot / acc).max(1),
+            hosts: self.hosts(),
+            channels: self.config().channels,
         };
-        bytes as u64
+        braid_sched::cost::traffic(&spec, es, acc).bytes as u64
     }
 
     /// Bytes this rank sends in an all-gather or all-to-all of `block` bytes per rank.

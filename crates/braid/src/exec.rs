@@ -12,8 +12,13 @@ use std::time::Instant;
 
 use braid_core::reduce::{self, Src};
 use braid_core::{Config, DType, Error, ReduceOp};
-use braid_sched::{direct, hier, rhd, ring, tree, Action, Buf};
+use braid_sched::{Action, Buf, PlanSpec};
 use braid_transport::{Event, Link, RecvSlot, Router, SendSlot, WaitCtx};
+use tracing::{error, trace};
+
+use crate::recorder::Recorder;
+use crate::tune::{Algo, Collective, Tuner};
+use crate::wire::Fingerprint;
 
 /// The channel every blocking collective uses.
 const CHANNEL: usize = 0;
@@ -140,13 +145,8 @@ impl Drop for In<'_> {
         }
     }
 }
-use tracing::{error, trace};
 
-use crate::recorder::Recorder;
-use crate::tune::{Algo, Collective, Tuner};
-use crate::wire::Fingerprint;
-
-/// Which collective an op runs.
+/// Which collective an op runs, with the root of those that have one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Kind {
     AllReduce,
@@ -159,28 +159,30 @@ pub(crate) enum Kind {
 }
 
 impl Kind {
-    /// The collective whose algorithm the tuner picks (none for a barrier).
-    pub(crate) fn collective(self) -> Option<Collective> {
+    /// The collective.
+    pub(crate) fn collective(self) -> Collective {
         match self {
-            Kind::AllReduce => Some(Collective::AllReduce),
-            Kind::ReduceScatter => Some(Collective::ReduceScatter),
-            Kind::AllGather => Some(Collective::AllGather),
-            Kind::Broadcast { .. } => Some(Collective::Broadcast),
-            Kind::Reduce { .. } => Some(Collective::Reduce),
-            Kind::Barrier | Kind::AllToAll => None,
+            Kind::AllReduce => Collective::AllReduce,
+            Kind::ReduceScatter => Collective::ReduceScatter,
+            Kind::AllGather => Collective::AllGather,
+            Kind::Broadcast { .. } => Collective::Broadcast,
+            Kind::Reduce { .. } => Collective::Reduce,
+            Kind::Barrier => Collective::Barrier,
+            Kind::AllToAll => Collective::AllToAll,
         }
     }
 
-    pub(crate) fn name(self) -> &'static str {
+    /// The root rank (0 where there is none).
+    pub(crate) fn root(self) -> usize {
         match self {
-            Kind::AllReduce => "all_reduce",
-            Kind::ReduceScatter => "reduce_scatter",
-            Kind::AllGather => "all_gather",
-            Kind::Broadcast { .. } => "broadcast",
-            Kind::Reduce { .. } => "reduce",
-            Kind::Barrier => "barrier",
-            Kind::AllToAll => "all_to_all",
+            Kind::Broadcast { root } | Kind::Reduce { root } => root,
+            _ => 0,
         }
+    }
+
+    /// [`Collective::name`].
+    pub(crate) fn name(self) -> &'static str {
+        self.collective().name()
     }
 }
 
@@ -359,38 +361,17 @@ impl Executor {
     }
 
     fn build_plan(&self, key: PlanKey) -> Vec<Action> {
-        let (n, r, c, chunk) = (self.world, self.rank, key.count, key.chunk);
-        match (key.kind, key.algo) {
-            (Kind::AllReduce, Algo::Ring) if !self.hosts.is_empty() => {
-                ring::all_reduce_ordered(&hier::host_order(&self.hosts), r, c, chunk)
-            }
-            (Kind::AllReduce, Algo::Ring) => {
-                ring::all_reduce_channels(n, r, c, chunk, self.config.channels)
-            }
-            (Kind::AllReduce, Algo::Hier) if !self.hosts.is_empty() => {
-                hier::all_reduce(&self.hosts, r, c, chunk)
-            }
-            (Kind::AllReduce, Algo::Hier) => ring::all_reduce(n, r, c, chunk),
-            (Kind::AllReduce, Algo::Tree) => tree::all_reduce(n, r, c, chunk),
-            (Kind::AllReduce, Algo::Rhd) => rhd::all_reduce(n, r, c, chunk),
-            (Kind::AllReduce, Algo::Direct) => direct::all_reduce(n, r, c, chunk),
-            (Kind::ReduceScatter, Algo::Direct) => direct::reduce_scatter(n, r, c, chunk),
-            (Kind::ReduceScatter, _) if !self.hosts.is_empty() => {
-                ring::reduce_scatter_ordered(&hier::host_order(&self.hosts), r, c, chunk)
-            }
-            (Kind::ReduceScatter, _) => ring::reduce_scatter(n, r, c, chunk),
-            (Kind::AllGather, Algo::Direct) => direct::all_gather(n, r, c, chunk),
-            (Kind::AllGather, _) if !self.hosts.is_empty() => {
-                ring::all_gather_ordered(&hier::host_order(&self.hosts), r, c, chunk)
-            }
-            (Kind::AllGather, _) => ring::all_gather(n, r, c, chunk),
-            (Kind::Broadcast { root }, Algo::Tree) => tree::broadcast(n, r, root, c, chunk),
-            (Kind::Broadcast { root }, _) => ring::broadcast(n, r, root, c, chunk),
-            (Kind::Reduce { root }, Algo::Tree) => tree::reduce(n, r, root, c, chunk),
-            (Kind::Reduce { root }, _) => ring::reduce(n, r, root, c, chunk),
-            (Kind::Barrier, _) => direct::barrier(n, r),
-            (Kind::AllToAll, _) => direct::all_to_all(n, r, c, chunk),
-        }
+        braid_sched::plan(&PlanSpec {
+            collective: key.kind.collective(),
+            root: key.kind.root(),
+            algo: key.algo,
+            world: self.world,
+            rank: self.rank,
+            count: key.count,
+            chunk: key.chunk,
+            hosts: &self.hosts,
+            channels: self.config.channels,
+        })
     }
 
     /// Runs one op to completion.
@@ -398,10 +379,7 @@ impl Executor {
         let seq = self.seq;
         self.seq += 1;
         let es = op.dtype.size();
-        let algo = match op.kind.collective() {
-            Some(c) => self.tuner.pick_cached(c, op.count * es),
-            None => Algo::Direct,
-        };
+        let algo = self.tuner.pick_cached(op.kind.collective(), op.count * es);
         let started = Instant::now();
         self.recorder.start(seq, op, algo, started);
         let result = self.run_plan(op, seq, algo, started);
@@ -468,20 +446,11 @@ impl Executor {
 
 /// The op as a fingerprint other ranks can compare with theirs.
 fn fingerprint(op: &Op, seq: u64) -> Fingerprint {
-    let (kind, root) = match op.kind {
-        Kind::AllReduce => (0, 0),
-        Kind::ReduceScatter => (1, 0),
-        Kind::AllGather => (2, 0),
-        Kind::Broadcast { root } => (3, root),
-        Kind::Reduce { root } => (4, root),
-        Kind::Barrier => (5, 0),
-        Kind::AllToAll => (6, 0),
-    };
     Fingerprint {
-        kind,
+        kind: op.kind.collective().index() as u8,
         dtype: op.dtype as u8,
         redop: op.redop as u8,
-        root: root as u32,
+        root: op.kind.root() as u32,
         seq,
         count: op.count as u64,
     }

@@ -2,142 +2,16 @@
 //! (`braid tune`, `BRAID_TUNE_FILE`), and the alpha-beta cost model of `braid-sched` where neither
 //! decides.
 
-use std::fmt;
-use std::str::FromStr;
-
 use braid_core::Error;
 use braid_sched::cost::{all_reduce_cost, flat_ring_cost, hier_cost, HostLinks, LinkCost};
+pub use braid_sched::{Algo, Collective};
 use serde::{Deserialize, Serialize};
-
-/// A collective algorithm. The names are used everywhere: environment, CLI, logs, JSON.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Algo {
-    /// Reduce-scatter then all-gather around a ring, pipelined in chunks (or a chain for rooted ops).
-    Ring,
-    /// Double binary tree (all-reduce) or binary tree (broadcast, reduce), pipelined.
-    Tree,
-    /// Recursive halving-doubling (Rabenseifner).
-    Rhd,
-    /// Every rank sends to every other rank at once.
-    Direct,
-    /// Hierarchical: reduce-scatter inside each host, all-reduce of each shard across hosts (every local
-    /// rank drives its own shard), all-gather inside each host. On one host it is the ring.
-    Hier,
-}
-
-impl Algo {
-    /// Every algorithm.
-    pub const ALL: [Algo; 5] = [Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Direct, Algo::Hier];
-
-    /// The algorithm's name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Algo::Ring => "ring",
-            Algo::Tree => "tree",
-            Algo::Rhd => "rhd",
-            Algo::Direct => "direct",
-            Algo::Hier => "hier",
-        }
-    }
-}
-
-impl fmt::Display for Algo {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Algo {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Algo, Error> {
-        Algo::ALL
-            .into_iter()
-            .find(|a| a.name() == s.trim().to_ascii_lowercase())
-            .ok_or_else(|| {
-                Error::invalid(format!(
-                    "unknown algorithm {s:?} (ring, tree, rhd, direct, hier)"
-                ))
-            })
-    }
-}
-
-/// The collectives that have a choice of algorithm.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Collective {
-    /// All-reduce.
-    AllReduce,
-    /// All-gather.
-    AllGather,
-    /// Reduce-scatter.
-    ReduceScatter,
-    /// Broadcast.
-    Broadcast,
-    /// Reduce.
-    Reduce,
-}
-
-impl Collective {
-    /// Every collective with a choice.
-    pub const ALL: [Collective; 5] = [
-        Collective::AllReduce,
-        Collective::AllGather,
-        Collective::ReduceScatter,
-        Collective::Broadcast,
-        Collective::Reduce,
-    ];
-
-    /// Its name in `BRAID_ALGO` and tuning files.
-    pub fn name(self) -> &'static str {
-        match self {
-            Collective::AllReduce => "allreduce",
-            Collective::AllGather => "allgather",
-            Collective::ReduceScatter => "reducescatter",
-            Collective::Broadcast => "broadcast",
-            Collective::Reduce => "reduce",
-        }
-    }
-
-    /// The algorithms implemented for it.
-    pub fn algos(self) -> &'static [Algo] {
-        match self {
-            Collective::AllReduce => &[Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Direct, Algo::Hier],
-            Collective::AllGather | Collective::ReduceScatter => &[Algo::Ring, Algo::Direct],
-            Collective::Broadcast | Collective::Reduce => &[Algo::Ring, Algo::Tree],
-        }
-    }
-
-    fn index(self) -> usize {
-        Collective::ALL
-            .iter()
-            .position(|c| *c == self)
-            .expect("listed")
-    }
-}
-
-impl FromStr for Collective {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Collective, Error> {
-        let norm: String = s
-            .trim()
-            .to_ascii_lowercase()
-            .chars()
-            .filter(|c| *c != '_')
-            .collect();
-        Collective::ALL
-            .into_iter()
-            .find(|c| c.name() == norm)
-            .ok_or_else(|| {
-                Error::invalid(format!(
-                "unknown collective {s:?} (allreduce, allgather, reducescatter, broadcast, reduce)"
-            ))
-            })
-    }
-}
 
 /// Which algorithms `BRAID_ALGO` allows, per collective.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AlgoPolicy {
-    allowed: [Vec<Algo>; 5],
+    /// By [`Collective::index`].
+    allowed: [Vec<Algo>; Collective::ALL.len()],
 }
 
 impl Default for AlgoPolicy {
@@ -150,14 +24,15 @@ impl Default for AlgoPolicy {
 
 impl AlgoPolicy {
     /// Parses `BRAID_ALGO`: `;`-separated items, each `collective:spec` or just `spec` (every
-    /// collective); a spec is a comma-separated list of algorithms, or `^` and a list to exclude.
-    /// Examples: `ring`, `allreduce:tree;allgather:ring`, `allreduce:^direct,rhd`.
+    /// collective with a choice); a spec is a comma-separated list of algorithms, or `^` and a list to
+    /// exclude. Collectives are named as [`Collective::name`] or the older way ([`Collective`]'s
+    /// `FromStr`). Examples: `ring`, `all_reduce:tree;all_gather:ring`, `allreduce:^direct,rhd`.
     pub fn parse(text: &str) -> Result<AlgoPolicy, Error> {
         let mut p = AlgoPolicy::default();
         for item in text.split(';').map(str::trim).filter(|s| !s.is_empty()) {
             let (colls, spec) = match item.split_once(':') {
                 Some((c, spec)) => (vec![c.parse::<Collective>()?], spec),
-                None => (Collective::ALL.to_vec(), item),
+                None => (Collective::TUNABLE.to_vec(), item),
             };
             let (exclude, list) = match spec.trim().strip_prefix('^') {
                 Some(rest) => (true, rest),
@@ -258,7 +133,8 @@ pub struct TableEntry {
 /// Measured choices for one collective at one world size.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Table {
-    /// Collective name (`allreduce`, ...).
+    /// Collective name: [`Collective::name`] (`all_reduce`, ...); files written before it read the
+    /// older spelling (`allreduce`), which loading rewrites.
     pub collective: String,
     /// World size measured.
     pub world: usize,
@@ -285,7 +161,7 @@ impl TuningFile {
     pub fn load(path: &std::path::Path) -> Result<TuningFile, Error> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| Error::invalid(format!("BRAID_TUNE_FILE {}: {e}", path.display())))?;
-        let f: TuningFile = serde_json::from_str(&text)
+        let mut f: TuningFile = serde_json::from_str(&text)
             .map_err(|e| Error::invalid(format!("BRAID_TUNE_FILE {}: {e}", path.display())))?;
         if f.version != 1 {
             return Err(Error::invalid(format!(
@@ -294,8 +170,10 @@ impl TuningFile {
                 f.version
             )));
         }
-        for t in &f.tables {
+        for t in &mut f.tables {
             let c: Collective = t.collective.parse()?;
+            // Written back (`braid tune`), the file names collectives the canonical way.
+            t.collective = c.name().to_string();
             for e in &t.entries {
                 let a: Algo = e.algo.parse()?;
                 if !c.algos().contains(&a) {
@@ -320,10 +198,20 @@ impl TuningFile {
         Ok(f)
     }
 
-    /// Adds or replaces the table for (collective, world).
-    pub fn put(&mut self, table: Table) {
-        self.tables
-            .retain(|t| !(t.collective == table.collective && t.world == table.world));
+    /// Adds or replaces the table for (collective, world), whichever spelling of the collective either
+    /// table uses.
+    pub fn put(&mut self, mut table: Table) {
+        if let Ok(c) = table.collective.parse::<Collective>() {
+            table.collective = c.name().to_string();
+        }
+        let same = |t: &Table| match (
+            t.collective.parse::<Collective>(),
+            table.collective.parse::<Collective>(),
+        ) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => t.collective == table.collective,
+        };
+        self.tables.retain(|t| !(same(t) && t.world == table.world));
         self.tables.push(table);
         self.tables.sort_by(|a, b| {
             (a.collective.as_str(), a.world).cmp(&(b.collective.as_str(), b.world))
@@ -339,7 +227,8 @@ pub struct Tuner {
     file: Option<TuningFile>,
     chunk_bytes: usize,
     direct_max_bytes: usize,
-    forced: [Option<Algo>; 5],
+    /// By [`Collective::index`].
+    forced: [Option<Algo>; Collective::ALL.len()],
     /// Decisions already taken, by (collective, bytes): the model is not free, a hash lookup nearly is.
     cache: std::collections::HashMap<(Collective, usize), Algo>,
     /// The last decision, checked before the map: loops repeat one size.
@@ -365,7 +254,7 @@ impl Tuner {
             file,
             chunk_bytes,
             direct_max_bytes,
-            forced: [None; 5],
+            forced: [None; Collective::ALL.len()],
             cache: Default::default(),
             last: None,
             hosts: Vec::new(),
@@ -415,14 +304,7 @@ impl Tuner {
             Algo::Ring => flat_ring_cost(&self.hosts, bytes, 1.0, self.chunk_bytes, &links),
             Algo::Hier => hier_cost(&self.hosts, bytes, 1.0, self.chunk_bytes, &links),
             // The others are not host-aware: model them as if every link were the slow one.
-            other => all_reduce_cost(
-                other.name(),
-                self.world,
-                bytes,
-                1.0,
-                self.chunk_bytes,
-                &x.cost(),
-            ),
+            other => all_reduce_cost(other, self.world, bytes, 1.0, self.chunk_bytes, &x.cost()),
         }
     }
 
@@ -445,8 +327,12 @@ impl Tuner {
             .map_or(LinkParams::SHM_DEFAULT, |f| f.shm)
     }
 
-    /// Where the choice came from, for logs and `braid perf`: `forced`, `table`, `model` or `rule`.
+    /// Where the choice came from, for logs and `braid perf`: `forced`, `table`, `model` or `rule` (a
+    /// size rule, or the only algorithm of a barrier or all-to-all).
     pub fn pick_with_reason(&self, c: Collective, bytes: usize) -> (Algo, &'static str) {
+        if let [only] = c.algos() {
+            return (*only, "rule");
+        }
         if let Some(a) = self.forced[c.index()] {
             return (a, "forced");
         }
@@ -455,9 +341,9 @@ impl Tuner {
             return (allowed[0], "forced");
         }
         if let Some(t) = self.file.as_ref().and_then(|f| {
-            f.tables
-                .iter()
-                .find(|t| t.world == self.world && t.collective == c.name())
+            f.tables.iter().find(|t| {
+                t.world == self.world && t.collective.parse::<Collective>().ok() == Some(c)
+            })
         }) {
             let entry = t
                 .entries
@@ -483,14 +369,7 @@ impl Tuner {
                             // One host: hier is the ring; let the ring stand for it.
                             f64::INFINITY
                         } else {
-                            all_reduce_cost(
-                                a.name(),
-                                self.world,
-                                bytes,
-                                1.0,
-                                self.chunk_bytes,
-                                &link,
-                            )
+                            all_reduce_cost(a, self.world, bytes, 1.0, self.chunk_bytes, &link)
                         };
                         (a, t)
                     })
@@ -597,10 +476,17 @@ mod tests {
 
     #[test]
     fn policy_parses_includes_excludes_and_scopes() {
-        let p = AlgoPolicy::parse("allreduce:tree;allgather:ring").unwrap();
-        assert_eq!(p.allowed(Collective::AllReduce), &[Algo::Tree]);
-        assert_eq!(p.allowed(Collective::AllGather), &[Algo::Ring]);
-        assert_eq!(p.allowed(Collective::Broadcast), &[Algo::Ring, Algo::Tree]);
+        // Canonical names and the older spellings alike.
+        for text in [
+            "all_reduce:tree;all_gather:ring",
+            "allreduce:tree;allgather:ring",
+            "All-Reduce:tree; ALLGATHER:ring",
+        ] {
+            let p = AlgoPolicy::parse(text).unwrap();
+            assert_eq!(p.allowed(Collective::AllReduce), &[Algo::Tree], "{text}");
+            assert_eq!(p.allowed(Collective::AllGather), &[Algo::Ring], "{text}");
+            assert_eq!(p.allowed(Collective::Broadcast), &[Algo::Ring, Algo::Tree]);
+        }
         let p = AlgoPolicy::parse("^direct").unwrap();
         assert_eq!(
             p.allowed(Collective::AllReduce),
@@ -608,9 +494,17 @@ mod tests {
         );
         assert_eq!(p.allowed(Collective::AllGather), &[Algo::Ring]);
         let p = AlgoPolicy::parse("ring").unwrap();
-        assert!(Collective::ALL
+        assert!(Collective::TUNABLE
             .iter()
             .all(|c| p.allowed(*c) == [Algo::Ring]));
+        // Barrier and all-to-all have one algorithm, which a global item leaves alone.
+        assert_eq!(p.allowed(Collective::Barrier), &[Algo::Direct]);
+        assert_eq!(
+            AlgoPolicy::parse("all_to_all:direct")
+                .unwrap()
+                .allowed(Collective::AllToAll),
+            &[Algo::Direct]
+        );
         // A global "tree" applies where a tree exists and leaves the rest alone.
         let p = AlgoPolicy::parse("tree").unwrap();
         assert_eq!(
@@ -622,6 +516,7 @@ mod tests {
             "butterfly",
             "allreduce:",
             "allgather:tree",
+            "barrier:ring",
             "everything:ring",
             "allreduce:^ring,tree,rhd,direct,hier",
         ] {
@@ -668,6 +563,11 @@ mod tests {
             (Algo::Rhd, "forced")
         );
         assert!(t.force(Collective::AllGather, Some(Algo::Tree)).is_err());
+        assert!(t.force(Collective::Barrier, Some(Algo::Ring)).is_err());
+        assert_eq!(
+            t.pick_with_reason(Collective::AllToAll, 1 << 20),
+            (Algo::Direct, "rule")
+        );
         // Another world size: the table does not apply, the model does.
         let t = Tuner::new(8, AlgoPolicy::default(), Some(file), 1 << 17, 16384);
         assert_eq!(
@@ -701,5 +601,37 @@ mod tests {
             .contains("BRAID_TUNE_FILE"));
         std::fs::remove_file(&p).unwrap();
         assert!(TuningFile::load(&p).is_err());
+    }
+
+    #[test]
+    fn older_tuning_files_read_and_are_rewritten_with_canonical_names() {
+        let p = std::env::temp_dir().join(format!("braid-tune-old-{}.json", std::process::id()));
+        std::fs::write(&p, r#"{"version":1,"shm":{"alpha_us":0.3,"beta_us_per_byte":0.0002,"gamma_us_per_byte":0.0001},"tables":[{"collective":"allreduce","world":2,"entries":[{"max_bytes":18446744073709551615,"algo":"rhd"}]}]}"#).unwrap();
+        let mut f = TuningFile::load(&p).unwrap();
+        std::fs::remove_file(&p).unwrap();
+        assert_eq!(f.tables[0].collective, "all_reduce");
+        let t = Tuner::new(2, AlgoPolicy::default(), Some(f.clone()), 1 << 17, 16384);
+        assert_eq!(
+            t.pick_with_reason(Collective::AllReduce, 1 << 20),
+            (Algo::Rhd, "table")
+        );
+        // A new table replaces the old one, whichever spelling either uses.
+        f.tables[0].collective = "allreduce".into();
+        f.put(Table {
+            collective: "all-reduce".into(),
+            world: 2,
+            entries: vec![TableEntry {
+                max_bytes: usize::MAX,
+                algo: "tree".into(),
+            }],
+        });
+        assert_eq!(f.tables.len(), 1);
+        assert_eq!(
+            (
+                f.tables[0].collective.as_str(),
+                f.tables[0].entries[0].algo.as_str()
+            ),
+            ("all_reduce", "tree")
+        );
     }
 }

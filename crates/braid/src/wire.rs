@@ -6,6 +6,8 @@
 
 use std::io::{Read, Write};
 
+use braid_sched::Collective;
+
 /// Largest frame accepted, in bytes.
 pub const MAX_FRAME: usize = 1 << 20;
 /// Largest string field, in bytes.
@@ -279,8 +281,8 @@ pub fn read_frame(r: &mut impl Read) -> std::io::Result<Result<Msg, DecodeError>
 /// What a rank is about to run, compared across ranks when `BRAID_DEBUG_CHECKS` is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fingerprint {
-    /// Collective code (0 all_reduce, 1 reduce_scatter, 2 all_gather, 3 broadcast, 4 reduce, 5 barrier,
-    /// 6 all_to_all).
+    /// Collective code: [`Collective::index`] (0 all_reduce, 1 reduce_scatter, 2 all_gather, 3 broadcast,
+    /// 4 reduce, 5 barrier, 6 all_to_all).
     pub kind: u8,
     /// Element type code.
     pub dtype: u8,
@@ -294,15 +296,6 @@ pub struct Fingerprint {
     pub count: u64,
 }
 
-const KIND_NAMES: [&str; 7] = [
-    "all_reduce",
-    "reduce_scatter",
-    "all_gather",
-    "broadcast",
-    "reduce",
-    "barrier",
-    "all_to_all",
-];
 const DTYPE_NAMES: [&str; 10] = [
     "int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double", "bfloat16",
 ];
@@ -346,7 +339,7 @@ impl Fingerprint {
             seq: u64::from_le_bytes(b[8..16].try_into().expect("8 bytes")),
             count: u64::from_le_bytes(b[16..24].try_into().expect("8 bytes")),
         };
-        if f.kind as usize >= KIND_NAMES.len()
+        if f.kind as usize >= Collective::ALL.len()
             || f.dtype as usize >= DTYPE_NAMES.len()
             || f.redop as usize >= OP_NAMES.len()
         {
@@ -364,18 +357,23 @@ impl std::fmt::Display for Fingerprint {
         fn name(t: &[&'static str], i: u8) -> &'static str {
             t.get(i as usize).copied().unwrap_or("?")
         }
+        let coll = Collective::ALL.get(self.kind as usize).copied();
         write!(
             f,
             "{} #{} count {} {}",
-            name(&KIND_NAMES, self.kind),
+            coll.map_or("?", Collective::name),
             self.seq,
             self.count,
             name(&DTYPE_NAMES, self.dtype)
         )?;
-        match self.kind {
-            0 | 1 => write!(f, " {}", name(&OP_NAMES, self.redop)),
-            3 => write!(f, " root {}", self.root),
-            4 => write!(f, " {} root {}", name(&OP_NAMES, self.redop), self.root),
+        match coll {
+            Some(Collective::AllReduce | Collective::ReduceScatter) => {
+                write!(f, " {}", name(&OP_NAMES, self.redop))
+            }
+            Some(Collective::Broadcast) => write!(f, " root {}", self.root),
+            Some(Collective::Reduce) => {
+                write!(f, " {} root {}", name(&OP_NAMES, self.redop), self.root)
+            }
             _ => Ok(()),
         }
     }
