@@ -38,6 +38,7 @@ __all__ = [
     "BraidIOError",
     "PoisonedError",
     "InternalError",
+    "BraidOutOfMemoryError",
     "version",
     "library_path",
 ]
@@ -112,6 +113,12 @@ class InternalError(BraidError):
     code = 9
 
 
+class BraidOutOfMemoryError(BraidError, MemoryError):
+    """Memory the call needs could not be allocated."""
+
+    code = 10
+
+
 _ERRORS = {
     cls.code: cls
     for cls in (
@@ -124,6 +131,7 @@ _ERRORS = {
         BraidIOError,
         PoisonedError,
         InternalError,
+        BraidOutOfMemoryError,
     )
 }
 

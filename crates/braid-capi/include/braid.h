@@ -84,6 +84,10 @@ typedef enum braid_result {
    * A bug in braid (the message says where); please report it.
    */
   BRAID_INTERNAL = 9,
+  /**
+   * Memory the call needs could not be allocated; the communicator is unusable.
+   */
+  BRAID_OUT_OF_MEMORY = 10,
 } braid_result;
 
 /**

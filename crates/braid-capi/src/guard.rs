@@ -40,6 +40,7 @@ pub(crate) fn code_of(e: &Error) -> braid_result {
         Error::Bootstrap(_) => braid_result::BRAID_BOOTSTRAP,
         Error::Io { .. } => braid_result::BRAID_IO,
         Error::Poisoned { .. } => braid_result::BRAID_POISONED,
+        Error::OutOfMemory(_) => braid_result::BRAID_OUT_OF_MEMORY,
         _ => braid_result::BRAID_INTERNAL,
     }
 }

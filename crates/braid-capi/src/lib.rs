@@ -63,6 +63,8 @@ pub enum braid_result {
     BRAID_POISONED = 8,
     /// A bug in braid (the message says where); please report it.
     BRAID_INTERNAL = 9,
+    /// Memory the call needs could not be allocated; the communicator is unusable.
+    BRAID_OUT_OF_MEMORY = 10,
 }
 
 /// An element type (one of the `BRAID_INT8` ... `BRAID_BFLOAT16` codes). Passed as an integer and

@@ -78,6 +78,9 @@ pub enum Error {
         /// The OS error.
         message: String,
     },
+    /// Memory that a call needs could not be allocated (the message says how much, for what).
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
     /// An invariant of braid itself was broken (a bug); the communicator is unusable.
     #[error("internal error: {0}")]
     Internal(String),

@@ -1,9 +1,9 @@
 //! braid-sched: collective algorithms as schedules, free of I/O.
 //!
 //! A schedule is a plain `Vec<Action>` per rank: send this range to that peer, receive a partial and
-//! reduce it into the next peer's slot, and so on. It knows nothing of transports or threads, so tests run
-//! every algorithm on 1..64 simulated ranks in memory ([`sim`]) and check results bit for bit; the
-//! runtime's executor walks the very same actions over shared memory or sockets.
+//! reduce it into the next peer's slot, and so on. It knows nothing of transports or threads. braid-exec's
+//! executor walks these actions over shared memory, sockets or an in-memory network; its simulator runs
+//! every algorithm on 1..64 ranks that way and checks results bit for bit.
 //!
 //! Topology-aware schedules take the hosts into account: [`ring::all_reduce_ordered`] runs the ring in
 //! any rank order (host by host, it crosses each host boundary once), and [`hier`] reduces within each
@@ -17,13 +17,10 @@
 //! in the next peer's slot" is one action, so an executor can read each byte once.
 //!
 //! ```
-//! use braid_sched::{ring, sim};
-//! use braid_core::{DType, ReduceOp};
-//! let world = 3;
-//! let plans: Vec<_> = (0..world).map(|r| ring::all_reduce(world, r, 5, 2)).collect();
-//! let inputs: Vec<Vec<u8>> = (0..world).map(|r| vec![r as u8; 5]).collect();
-//! let out = sim::run(&plans, DType::U8, ReduceOp::Sum, &inputs, 5, 2).unwrap();
-//! assert!(out.outputs.iter().all(|o| o == &vec![3u8; 5]));
+//! use braid_sched::{ring, Action};
+//! // Rank 0 of a 3-rank ring all-reduce of 5 elements in chunks of 2: it starts by sending a partial.
+//! let plan = ring::all_reduce(3, 0, 5, 2);
+//! assert!(matches!(plan[0], Action::SendAcc { to: 1, .. }));
 //! ```
 #![forbid(unsafe_code)]
 
@@ -34,7 +31,6 @@ pub mod hier;
 mod plan;
 pub mod rhd;
 pub mod ring;
-pub mod sim;
 pub mod tree;
 
 pub use algo::{Algo, Collective};

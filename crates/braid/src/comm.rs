@@ -360,8 +360,8 @@ impl Communicator {
         let transport = (world > 1).then_some(transport);
         let topology = choose_topology(&config, &table, transport.as_ref(), rank, deadline)?;
         let hosts = topology.host_groups();
-        let mut executor =
-            Executor::new(rank, world, config.clone(), tuner, transport, abort.clone());
+        let link = transport.map(|t| Box::new(t) as Box<dyn Link>);
+        let mut executor = Executor::new(rank, world, config.clone(), tuner, link, abort.clone());
         executor.set_hosts(hosts.clone());
         if let Some(link) = measured_tcp_link(&topology) {
             debug!(rank, ?link, "link between hosts, as probed");

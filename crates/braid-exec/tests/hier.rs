@@ -5,10 +5,11 @@
 mod common;
 
 use braid_core::{DType, ReduceOp};
+use braid_exec::sim;
 use braid_sched::cost::{
     flat_ring_cost, flat_ring_traffic, hier_cost, hier_traffic, traffic, HostLinks,
 };
-use braid_sched::{hier, plan, ring, sim, Action, Collective, PlanSpec};
+use braid_sched::{hier, plan, ring, Action, Collective, PlanSpec};
 use common::*;
 use proptest::prelude::*;
 

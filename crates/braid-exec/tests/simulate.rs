@@ -3,7 +3,8 @@
 mod common;
 
 use braid_core::{DType, ReduceOp};
-use braid_sched::{direct, ring, sim, Action};
+use braid_exec::sim;
+use braid_sched::{direct, ring, Action};
 use common::*;
 use proptest::prelude::*;
 
@@ -120,7 +121,13 @@ fn barrier_completes_and_mismatch_is_caught() {
     let ins = vec![vec![0u8; 8], vec![0u8; 10]];
     let err = sim::run(&p, DType::U8, ReduceOp::Sum, &ins, 10, 2).unwrap_err();
     assert!(
-        matches!(err, sim::SimError::LengthMismatch { .. }),
+        matches!(
+            err,
+            sim::SimError::Failed {
+                error: braid_core::Error::Mismatch { .. },
+                ..
+            }
+        ),
         "{err:?}"
     );
     // A schedule that only receives deadlocks and is reported as such.

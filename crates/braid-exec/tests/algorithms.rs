@@ -4,8 +4,9 @@
 mod common;
 
 use braid_core::{DType, ReduceOp};
+use braid_exec::sim;
 use braid_sched::cost::{all_reduce_cost, all_reduce_traffic, LinkCost};
-use braid_sched::{direct, plan, sim, tree, Action, Algo, Collective, PlanSpec};
+use braid_sched::{direct, plan, tree, Action, Algo, Collective, PlanSpec};
 use common::*;
 use proptest::prelude::*;
 

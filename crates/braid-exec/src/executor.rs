@@ -1,0 +1,1195 @@
+//! The executor: one rank's schedules over one [`Link`] and one [`Engine`], as resumable runs.
+//!
+//! [`Executor::start`] turns an [`Op`] into a [`Run`]; [`Executor::poll`] advances it as far as it can
+//! go without waiting and says what it waits for ([`Wait`]); [`Executor::run_blocking`] drives a run to
+//! the end on the calling thread, sleeping in [`Link::wait`] in between. Several runs, on distinct
+//! channels, can be in flight at once and polled in any order: that is what streams and a progress
+//! thread are made of, and what the simulator does with every rank of a job on one thread.
+//!
+//! A run holds the slots of its current action across polls (a received partial while it waits for room
+//! at the next peer), so no action is half done when a poll returns. Kernels go to the engine; when the
+//! engine queues one, the post or release that depends on it waits in the run until the engine says the
+//! kernel completed, so a slot goes back to its sender only once nothing reads it.
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use braid_core::{DType, Error, ReduceOp};
+use braid_sched::{Action, Algo, Buf, Collective, PlanSpec};
+use braid_transport::{Event, Link, RecvSlot, SendSlot, Span, WaitCtx};
+
+use crate::engine::{check_kinds, Engine, Kernel, Operand, Scratch, Ticket};
+use crate::fingerprint::Fingerprint;
+
+/// One collective call: what to run and on which memory. `count` is in the collective's NCCL
+/// convention (all-reduce: elements per buffer; reduce-scatter: output elements; all-gather: input
+/// elements; all-to-all: elements per peer).
+#[derive(Clone, Copy, Debug)]
+pub struct Op {
+    /// The collective.
+    pub collective: Collective,
+    /// The root rank of broadcast and reduce (0 for the others).
+    pub root: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// Reduction (ignored by collectives that do not reduce).
+    pub redop: ReduceOp,
+    /// Element count.
+    pub count: usize,
+    /// The input. In place it is the output itself, or (all-gather) this rank's block of it.
+    pub send: Span,
+    /// The output.
+    pub recv: Span,
+}
+
+impl Op {
+    /// The op as a fingerprint other ranks compare with theirs.
+    pub fn fingerprint(&self, seq: u64) -> Fingerprint {
+        Fingerprint {
+            kind: self.collective.index() as u8,
+            dtype: self.dtype as u8,
+            redop: self.redop as u8,
+            root: self.root as u32,
+            seq,
+            count: self.count as u64,
+        }
+    }
+}
+
+/// What a run waits for when a poll cannot go further.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// An event on the link: data from `peer` or a credit for a message to it, on `channel`.
+    Link {
+        /// The peer.
+        peer: usize,
+        /// The channel.
+        channel: usize,
+        /// Data or credit.
+        event: Event,
+    },
+    /// A kernel the engine queued.
+    Engine(Ticket),
+}
+
+/// Where a run stands after a poll.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress {
+    /// The run is complete: its output is final and every slot it used is back with its owner.
+    Done,
+    /// The run cannot go further until this happens.
+    Blocked(Wait),
+}
+
+/// The executor's fixed settings.
+#[derive(Clone, Copy, Debug)]
+pub struct Settings {
+    /// How long one collective may take before it fails with a timeout.
+    pub timeout: Duration,
+    /// Compare every op's fingerprint with every peer's first (`BRAID_DEBUG_CHECKS`).
+    pub debug_checks: bool,
+    /// Rings of a ring all-reduce (`BRAID_CHANNELS`).
+    pub rings: usize,
+}
+
+/// A rank's schedule for one op, as cached.
+#[derive(Debug)]
+pub struct Plan {
+    actions: Vec<Action>,
+    scratch: bool,
+}
+
+impl Plan {
+    /// A plan of these actions.
+    pub fn new(actions: Vec<Action>) -> Plan {
+        let scratch = actions.iter().any(|a| matches!(a, Action::LoadAcc { .. }));
+        Plan { actions, scratch }
+    }
+
+    /// The actions.
+    pub fn actions(&self) -> &[Action] {
+        &self.actions
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct PlanKey {
+    collective: Collective,
+    root: usize,
+    algo: Algo,
+    count: usize,
+    chunk: usize,
+}
+
+/// Plans kept; past this the cache starts over (steady training loops use a handful).
+const PLAN_CACHE: usize = 32;
+
+/// A post or release that waits for a kernel.
+enum Deferred {
+    Post(SendSlot, usize),
+    Release(RecvSlot),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Exchanging fingerprints: `sent` and `recvd` peers so far.
+    Check { sent: usize, recvd: usize },
+    /// Walking the plan.
+    Plan,
+    /// Waiting for the engine to finish what the plan queued.
+    Drain,
+    /// Complete.
+    Done,
+}
+
+/// One op in flight on one rank.
+pub struct Run {
+    op: Op,
+    seq: u64,
+    tag: u32,
+    channel: usize,
+    plan: Arc<Plan>,
+    phase: Phase,
+    pc: usize,
+    stage: u8,
+    rx: Vec<Option<RecvSlot>>,
+    tx: Option<SendSlot>,
+    scratch: Option<Scratch>,
+    pending: Option<Ticket>,
+    deferred: VecDeque<(Ticket, Deferred)>,
+    fingerprint: Option<Box<[u8; Fingerprint::LEN]>>,
+    mismatch: Option<Error>,
+    started: Instant,
+    deadline: Instant,
+    steps: u64,
+}
+
+impl Run {
+    /// The op.
+    pub fn op(&self) -> &Op {
+        &self.op
+    }
+
+    /// Its sequence number (its tag on the wire).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Its channel.
+    pub fn channel(&self) -> usize {
+        self.channel
+    }
+
+    /// When it fails with a timeout.
+    pub fn deadline(&self) -> Instant {
+        self.deadline
+    }
+
+    /// When it started.
+    pub fn started(&self) -> Instant {
+        self.started
+    }
+
+    /// How many steps it has completed: grows whenever a poll gets anywhere.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The index of the action it is at.
+    pub fn position(&self) -> usize {
+        self.pc
+    }
+
+    /// Whether it is complete.
+    pub fn is_done(&self) -> bool {
+        self.phase == Phase::Done
+    }
+}
+
+/// One rank's executor.
+pub struct Executor {
+    rank: usize,
+    world: usize,
+    settings: Settings,
+    link: Option<Box<dyn Link>>,
+    engine: Box<dyn Engine>,
+    abort: Arc<AtomicBool>,
+    hosts: Vec<Vec<usize>>,
+    plans: HashMap<PlanKey, Arc<Plan>>,
+    spare_scratch: Vec<Scratch>,
+    spare_rx: Vec<Vec<Option<RecvSlot>>>,
+    srcs: Vec<Operand>,
+}
+
+/// What a step needs from the executor while it mutates a run.
+struct Cx<'a> {
+    rank: usize,
+    world: usize,
+    link: &'a dyn Link,
+    engine: &'a mut dyn Engine,
+    abort: &'a AtomicBool,
+    srcs: &'a mut Vec<Operand>,
+}
+
+type Step = Result<Option<Wait>, Error>;
+
+impl Executor {
+    /// An executor for `rank` of `world` over `link` (`None` for a one-rank communicator), computing
+    /// with `engine`. `abort` fails every run when set.
+    pub fn new(
+        rank: usize,
+        world: usize,
+        settings: Settings,
+        link: Option<Box<dyn Link>>,
+        engine: Box<dyn Engine>,
+        abort: Arc<AtomicBool>,
+    ) -> Executor {
+        Executor {
+            rank,
+            world,
+            settings,
+            link,
+            engine,
+            abort,
+            hosts: Vec::new(),
+            plans: HashMap::new(),
+            spare_scratch: Vec::new(),
+            spare_rx: Vec::new(),
+            srcs: Vec::new(),
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the communicator.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// The link, if there are peers.
+    pub fn link(&self) -> Option<&dyn Link> {
+        self.link.as_deref()
+    }
+
+    /// The engine's name.
+    pub fn engine_name(&self) -> &'static str {
+        self.engine.name()
+    }
+
+    /// Sets the ranks of each host; rings then visit hosts in turn (when there is more than one).
+    pub fn set_hosts(&mut self, hosts: Vec<Vec<usize>>) {
+        self.hosts = if hosts.len() > 1 { hosts } else { Vec::new() };
+        self.plans.clear();
+    }
+
+    /// Elements of the accumulator type per slot: the chunk size of every schedule.
+    fn chunk(&self, dtype: DType) -> usize {
+        match &self.link {
+            Some(l) => (l.slot_bytes() / dtype.accumulator().size()).max(1),
+            None => usize::MAX,
+        }
+    }
+
+    /// The cached plan for `op` run with `algo`.
+    pub fn plan(&mut self, op: &Op, algo: Algo) -> Arc<Plan> {
+        let key = PlanKey {
+            collective: op.collective,
+            root: op.root,
+            algo,
+            count: op.count,
+            chunk: self.chunk(op.dtype),
+        };
+        if let Some(p) = self.plans.get(&key) {
+            return p.clone();
+        }
+        let actions = if op.count == 0 && op.collective != Collective::Barrier {
+            Vec::new()
+        } else {
+            braid_sched::plan(&PlanSpec {
+                collective: op.collective,
+                root: op.root,
+                algo,
+                world: self.world,
+                rank: self.rank,
+                count: op.count,
+                chunk: key.chunk,
+                hosts: &self.hosts,
+                channels: self.settings.rings,
+            })
+        };
+        if self.plans.len() >= PLAN_CACHE {
+            self.plans.clear();
+        }
+        let plan = Arc::new(Plan::new(actions));
+        self.plans.insert(key, plan.clone());
+        plan
+    }
+
+    /// Starts `op` with `algo` on `channel` as the op numbered `seq` there.
+    pub fn start(
+        &mut self,
+        op: Op,
+        algo: Algo,
+        channel: usize,
+        seq: u64,
+        started: Instant,
+    ) -> Result<Run, Error> {
+        let plan = self.plan(&op, algo);
+        self.start_plan(op, plan, channel, seq, started)
+    }
+
+    /// Starts `op` with a given plan (the simulator's way in: any schedule, not only the planner's).
+    pub fn start_plan(
+        &mut self,
+        op: Op,
+        plan: Arc<Plan>,
+        channel: usize,
+        seq: u64,
+        started: Instant,
+    ) -> Result<Run, Error> {
+        self.check_op(&op, channel)?;
+        let scratch = if plan.scratch {
+            let bytes = (op.send.len() / op.dtype.size()) * op.dtype.accumulator().size();
+            Some(self.take_scratch(bytes)?)
+        } else {
+            None
+        };
+        let mut rx = self.spare_rx.pop().unwrap_or_default();
+        rx.clear();
+        rx.resize_with(self.world.max(1), || None);
+        let check = self.settings.debug_checks && self.world > 1 && self.link.is_some();
+        Ok(Run {
+            op,
+            seq,
+            tag: seq as u32,
+            channel,
+            plan,
+            phase: if check {
+                Phase::Check { sent: 0, recvd: 0 }
+            } else {
+                Phase::Plan
+            },
+            pc: 0,
+            stage: 0,
+            rx,
+            tx: None,
+            scratch,
+            pending: None,
+            deferred: VecDeque::new(),
+            fingerprint: check.then(|| Box::new(op.fingerprint(seq).encode())),
+            mismatch: None,
+            started,
+            deadline: started + self.settings.timeout,
+            steps: 0,
+        })
+    }
+
+    /// Refuses memory the engine cannot compute on, overlapping buffers and unknown channels.
+    fn check_op(&self, op: &Op, channel: usize) -> Result<(), Error> {
+        for (what, s) in [("send", &op.send), ("receive", &op.recv)] {
+            if !s.is_empty() && !self.engine.accepts(s.kind()) {
+                return Err(Error::invalid(format!(
+                    "the {what} buffer is {}, which the {} engine cannot compute on",
+                    s.kind().describe(),
+                    self.engine.name()
+                )));
+            }
+        }
+        let (s, r) = (&op.send, &op.recv);
+        if !s.is_empty() && !r.is_empty() && s.kind() == r.kind() {
+            let (s0, s1) = (s.addr(), s.addr() + s.len());
+            let (r0, r1) = (r.addr(), r.addr() + r.len());
+            let overlap = s0 < r1 && r0 < s1;
+            // In place: the same buffer, or one rank's block of the other (all-gather's input inside
+            // its output, reduce-scatter's output inside its input).
+            let nested = (s0 >= r0 && s1 <= r1) || (r0 >= s0 && r1 <= s1);
+            if overlap && !nested {
+                return Err(Error::invalid(
+                    "the send and receive buffers overlap without being the same buffer",
+                ));
+            }
+        }
+        if let Some(l) = &self.link {
+            if channel >= l.channels() {
+                return Err(Error::invalid(format!(
+                    "channel {channel} does not exist (the link has {})",
+                    l.channels()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn take_scratch(&mut self, bytes: usize) -> Result<Scratch, Error> {
+        if let Some(i) = self
+            .spare_scratch
+            .iter()
+            .position(|s| s.span().len() >= bytes)
+        {
+            let s = self.spare_scratch.swap_remove(i);
+            return Ok(s);
+        }
+        self.engine.scratch(bytes)
+    }
+
+    /// Gives a finished or failed run's reusable parts back.
+    fn recycle(&mut self, run: &mut Run) {
+        if let Some(s) = run.scratch.take() {
+            if self.spare_scratch.len() < 4 {
+                self.spare_scratch.push(s);
+            }
+        }
+        let mut rx = std::mem::take(&mut run.rx);
+        if let Some(link) = &self.link {
+            // A failed run may hold received slots; give them back so the ring stays consistent.
+            for s in rx.iter_mut().filter_map(Option::take) {
+                let _ = link.release(s);
+            }
+        }
+        rx.clear();
+        if self.spare_rx.len() < 4 {
+            self.spare_rx.push(rx);
+        }
+    }
+
+    /// Advances `run` as far as it goes without waiting. `now` is the time the caller goes by: a run
+    /// that is blocked at or past its deadline fails with a timeout naming what it waited for.
+    pub fn poll(&mut self, run: &mut Run, now: Instant) -> Result<Progress, Error> {
+        if run.phase == Phase::Done {
+            return Ok(Progress::Done);
+        }
+        let r = self.advance(run);
+        let r = match r {
+            Ok(Progress::Blocked(w)) => {
+                if self.abort.load(Ordering::Relaxed) {
+                    Err(Error::Aborted {
+                        rank: self.rank,
+                        during: format!(" during {} #{}", run.op.collective.name(), run.seq),
+                    })
+                } else if now >= run.deadline {
+                    Err(self.timeout(run, w, now))
+                } else {
+                    Ok(Progress::Blocked(w))
+                }
+            }
+            other => other,
+        };
+        match &r {
+            Ok(Progress::Done) => self.recycle(run),
+            Err(_) => {
+                run.phase = Phase::Done;
+                self.recycle(run);
+            }
+            Ok(Progress::Blocked(_)) => {}
+        }
+        r
+    }
+
+    /// Runs `run` to the end on this thread, sleeping on the link or the engine between polls.
+    pub fn run_blocking(&mut self, run: &mut Run) -> Result<(), Error> {
+        let mut now = run.started;
+        loop {
+            match self.poll(run, now)? {
+                Progress::Done => return Ok(()),
+                Progress::Blocked(Wait::Link {
+                    peer,
+                    channel,
+                    event,
+                }) => {
+                    let Some(link) = self.link.as_deref() else {
+                        return Err(Error::Internal("a one-rank plan waited on a link".into()));
+                    };
+                    let ctx = run_ctx(self.rank, &self.abort, run);
+                    if let Err(e) = link.wait(peer, channel, event, &ctx, run.deadline) {
+                        run.phase = Phase::Done;
+                        self.recycle(run);
+                        return Err(e);
+                    }
+                }
+                Progress::Blocked(Wait::Engine(t)) => {
+                    if let Err(e) = self.engine.wait(t, run.deadline) {
+                        run.phase = Phase::Done;
+                        self.recycle(run);
+                        return Err(e);
+                    }
+                }
+            }
+            now = Instant::now();
+        }
+    }
+
+    fn timeout(&self, run: &Run, w: Wait, now: Instant) -> Error {
+        let (peer, what) = match w {
+            Wait::Link { peer, event, .. } => (peer, event.describe().to_string()),
+            Wait::Engine(_) => (self.rank, format!("the {} engine", self.engine.name())),
+        };
+        Error::Timeout {
+            rank: self.rank,
+            peer,
+            collective: run.op.collective.name().to_string(),
+            seq: run.seq,
+            waited_ms: now.saturating_duration_since(run.started).as_millis() as u64,
+            what,
+        }
+    }
+
+    /// A run that cannot go on waits for `w`, unless posts are held back for kernels: what this rank
+    /// waits for may depend on them, so then the engine is what to wait on.
+    fn blocked(&mut self, run: &mut Run, w: Wait) -> Result<Progress, Error> {
+        if let Some(link) = self.link.as_deref() {
+            flush(&mut *self.engine, link, self.rank, &self.abort, run)?;
+        }
+        match run.deferred.front() {
+            Some((t, _)) => Ok(Progress::Blocked(Wait::Engine(*t))),
+            None => Ok(Progress::Blocked(w)),
+        }
+    }
+
+    fn advance(&mut self, run: &mut Run) -> Result<Progress, Error> {
+        let link = self.link.as_deref();
+        loop {
+            match run.phase {
+                Phase::Check { .. } => {
+                    let Some(link) = link else {
+                        run.phase = Phase::Plan;
+                        continue;
+                    };
+                    let mut cx = Cx {
+                        rank: self.rank,
+                        world: self.world,
+                        link,
+                        engine: &mut *self.engine,
+                        abort: &self.abort,
+                        srcs: &mut self.srcs,
+                    };
+                    if let Some(w) = cx.check(run)? {
+                        return self.blocked(run, w);
+                    }
+                    if let Some(e) = run.mismatch.take() {
+                        return Err(e);
+                    }
+                    run.phase = Phase::Plan;
+                }
+                Phase::Plan => {
+                    let plan = run.plan.clone();
+                    while let Some(a) = plan.actions.get(run.pc) {
+                        let wait = match link {
+                            Some(link) => {
+                                let mut cx = Cx {
+                                    rank: self.rank,
+                                    world: self.world,
+                                    link,
+                                    engine: &mut *self.engine,
+                                    abort: &self.abort,
+                                    srcs: &mut self.srcs,
+                                };
+                                cx.step(run, a)?
+                            }
+                            None => local_step(&mut *self.engine, run, a)?,
+                        };
+                        if let Some(w) = wait {
+                            return self.blocked(run, w);
+                        }
+                        run.pc += 1;
+                        run.stage = 0;
+                        run.steps += 1;
+                    }
+                    run.phase = Phase::Drain;
+                }
+                Phase::Drain => {
+                    if let Some(link) = link {
+                        flush(&mut *self.engine, link, self.rank, &self.abort, run)?;
+                    }
+                    if let Some((t, _)) = run.deferred.front() {
+                        return Ok(Progress::Blocked(Wait::Engine(*t)));
+                    }
+                    if let Some(t) = run.pending {
+                        if !self.engine.complete(t)? {
+                            return Ok(Progress::Blocked(Wait::Engine(t)));
+                        }
+                        run.pending = None;
+                    }
+                    run.phase = Phase::Done;
+                    run.steps += 1;
+                }
+                Phase::Done => return Ok(Progress::Done),
+            }
+        }
+    }
+}
+
+/// Byte range of element range `r` at `size` bytes per element.
+fn bytes(r: &Range<usize>, size: usize) -> (usize, usize) {
+    (r.start * size, r.end * size)
+}
+
+fn out_of_bounds(what: &str, r: &Range<usize>, es: usize, len: usize) -> Error {
+    Error::Internal(format!(
+        "the schedule reaches {what} elements {r:?} ({es} bytes each) beyond its {len} bytes"
+    ))
+}
+
+fn input(run: &Run, r: &Range<usize>) -> Result<Span, Error> {
+    let es = run.op.dtype.size();
+    let (a, b) = bytes(r, es);
+    run.op
+        .send
+        .sub(a, b)
+        .ok_or_else(|| out_of_bounds("input", r, es, run.op.send.len()))
+}
+
+fn output(run: &Run, r: &Range<usize>) -> Result<Span, Error> {
+    let es = run.op.dtype.size();
+    let (a, b) = bytes(r, es);
+    run.op
+        .recv
+        .sub(a, b)
+        .ok_or_else(|| out_of_bounds("output", r, es, run.op.recv.len()))
+}
+
+fn scratch(run: &Run, r: &Range<usize>) -> Result<Span, Error> {
+    let acc = run.op.dtype.accumulator().size();
+    let (a, b) = bytes(r, acc);
+    let s = run
+        .scratch
+        .as_ref()
+        .map(Scratch::span)
+        .ok_or_else(|| Error::Internal("a schedule used scratch it did not ask for".into()))?;
+    s.sub(a, b)
+        .ok_or_else(|| out_of_bounds("scratch", r, acc, s.len()))
+}
+
+/// Whether `input[i]` and `output[o]` are the same bytes (in place).
+fn same(run: &Run, i: &Range<usize>, o: &Range<usize>) -> bool {
+    let es = run.op.dtype.size();
+    run.op.send.kind() == run.op.recv.kind()
+        && run.op.send.addr() + i.start * es == run.op.recv.addr() + o.start * es
+}
+
+fn submit(engine: &mut dyn Engine, run: &mut Run, k: &Kernel<'_>) -> Result<(), Error> {
+    check_kinds(engine, k)?;
+    // SAFETY: the op's spans are valid until the run completes (their creator's promise); slot spans
+    // are valid while the run holds the slot, which it does until the kernel completes (posts and
+    // releases wait for it); scratch is the run's own. Destinations never overlap operands: the
+    // executor passes in-place operands as `Operand::Dst` and skips copies onto themselves.
+    if let Some(t) = unsafe { engine.submit(k)? } {
+        run.pending = Some(t);
+    }
+    Ok(())
+}
+
+fn local_step(engine: &mut dyn Engine, run: &mut Run, a: &Action) -> Step {
+    match a {
+        Action::Copy { src, dst } => {
+            if !same(run, src, dst) {
+                let k = Kernel::Copy {
+                    dst: output(run, dst)?,
+                    src: input(run, src)?,
+                };
+                submit(engine, run, &k)?;
+            }
+            Ok(None)
+        }
+        other => Err(Error::Internal(format!(
+            "a one-rank schedule only copies, got {other:?}"
+        ))),
+    }
+}
+
+/// Does every deferred post and release whose kernel has completed.
+fn flush(
+    engine: &mut dyn Engine,
+    link: &dyn Link,
+    rank: usize,
+    abort: &AtomicBool,
+    run: &mut Run,
+) -> Result<(), Error> {
+    while let Some((t, _)) = run.deferred.front() {
+        if !engine.complete(*t)? {
+            return Ok(());
+        }
+        let Some((_, d)) = run.deferred.pop_front() else {
+            break;
+        };
+        let ctx = run_ctx(rank, abort, run);
+        do_deferred(link, &ctx, run.tag, d)?;
+    }
+    if run.deferred.is_empty() {
+        if let Some(t) = run.pending {
+            if engine.complete(t)? {
+                run.pending = None;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn do_deferred(link: &dyn Link, ctx: &WaitCtx<'_>, tag: u32, d: Deferred) -> Result<(), Error> {
+    match d {
+        Deferred::Post(slot, len) => link.post(slot, len, tag, ctx),
+        Deferred::Release(slot) => link.release(slot),
+    }
+}
+
+/// The context a run's link calls name in their errors.
+fn run_ctx<'a>(rank: usize, abort: &'a AtomicBool, run: &Run) -> WaitCtx<'a> {
+    WaitCtx {
+        rank,
+        collective: run.op.collective.name(),
+        seq: run.seq,
+        deadline: run.deadline,
+        started: run.started,
+        abort,
+    }
+}
+
+impl Cx<'_> {
+    fn ctx(&self, run: &Run) -> WaitCtx<'_> {
+        run_ctx(self.rank, self.abort, run)
+    }
+
+    /// Takes the next message from `peer` into `run.rx[idx]` unless one is held there; `false` when
+    /// none has arrived. With `tagged`, the message must carry the run's tag.
+    fn recv(
+        &mut self,
+        run: &mut Run,
+        idx: usize,
+        peer: usize,
+        tagged: bool,
+    ) -> Result<bool, Error> {
+        if run.rx.get(idx).is_some_and(Option::is_some) {
+            return Ok(true);
+        }
+        if idx >= run.rx.len() {
+            return Err(Error::Internal(format!(
+                "a schedule receives from rank {peer} of {}",
+                self.world
+            )));
+        }
+        let Some(slot) = self.link.try_recv(peer, run.channel, &self.ctx(run))? else {
+            return Ok(false);
+        };
+        if !slot.is_empty() && !self.engine.accepts(slot.span().kind()) {
+            let kind = slot.span().kind();
+            let _ = self.link.release(slot);
+            return Err(Error::Internal(format!(
+                "a message from rank {peer} arrived in {}, which the {} engine cannot read",
+                kind.describe(),
+                self.engine.name()
+            )));
+        }
+        if tagged && slot.tag() != run.tag {
+            let tag = slot.tag();
+            let _ = self.link.release(slot);
+            return Err(Error::Mismatch {
+                rank: self.rank,
+                peer,
+                collective: run.op.collective.name().to_string(),
+                seq: run.seq,
+                detail: format!(
+                    "message belongs to collective #{tag}, this rank is at #{}",
+                    run.tag
+                ),
+            });
+        }
+        run.rx[idx] = Some(slot);
+        Ok(true)
+    }
+
+    /// Reserves a slot at `peer` into `run.tx` unless one is held; `false` when there is no credit.
+    fn reserve(&mut self, run: &mut Run, peer: usize) -> Result<bool, Error> {
+        if run.tx.is_some() {
+            return Ok(true);
+        }
+        match self.link.try_reserve(peer, run.channel, &self.ctx(run))? {
+            Some(s) => {
+                run.tx = Some(s);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The held receive slot `idx`, of exactly `want` bytes.
+    fn held(&self, run: &Run, idx: usize, want: usize) -> Result<Span, Error> {
+        let Some(slot) = run.rx.get(idx).and_then(Option::as_ref) else {
+            return Err(Error::Internal("no message held".into()));
+        };
+        if slot.len() != want {
+            return Err(Error::Mismatch {
+                rank: self.rank,
+                peer: slot.peer(),
+                collective: run.op.collective.name().to_string(),
+                seq: run.seq,
+                detail: format!(
+                    "received {} bytes where {want} were expected (different counts or dtypes?)",
+                    slot.len()
+                ),
+            });
+        }
+        Ok(slot.span())
+    }
+
+    /// The first `len` bytes of the held send slot.
+    fn out_slot(&self, run: &Run, len: usize) -> Result<Span, Error> {
+        let Some(slot) = run.tx.as_ref() else {
+            return Err(Error::Internal("no send slot held".into()));
+        };
+        slot.span().prefix(len).ok_or_else(|| {
+            Error::Internal(format!(
+                "a message of {len} bytes does not fit a slot of {}",
+                slot.span().len()
+            ))
+        })
+    }
+
+    fn kernel(&mut self, run: &mut Run, k: &Kernel<'_>) -> Result<(), Error> {
+        submit(&mut *self.engine, run, k)
+    }
+
+    /// Posts the held send slot once the kernels before it have completed.
+    fn post(&mut self, run: &mut Run, len: usize) -> Result<(), Error> {
+        let Some(slot) = run.tx.take() else {
+            return Err(Error::Internal("post without a slot".into()));
+        };
+        self.settle(run, Deferred::Post(slot, len))
+    }
+
+    /// Releases held receive slot `idx` once the kernels before it have completed.
+    fn release(&mut self, run: &mut Run, idx: usize) -> Result<(), Error> {
+        let Some(slot) = run.rx.get_mut(idx).and_then(Option::take) else {
+            return Err(Error::Internal("release without a slot".into()));
+        };
+        self.settle(run, Deferred::Release(slot))
+    }
+
+    fn settle(&mut self, run: &mut Run, d: Deferred) -> Result<(), Error> {
+        if let Some(t) = run.pending {
+            if !self.engine.complete(t)? {
+                run.deferred.push_back((t, d));
+                return Ok(());
+            }
+            run.pending = None;
+        }
+        flush(&mut *self.engine, self.link, self.rank, self.abort, run)?;
+        if let Some((t, _)) = run.deferred.back() {
+            let t = *t;
+            run.deferred.push_back((t, d));
+            return Ok(());
+        }
+        do_deferred(self.link, &run_ctx(self.rank, self.abort, run), run.tag, d)
+    }
+
+    /// The fingerprint exchange: send ours to every peer, compare theirs.
+    fn check(&mut self, run: &mut Run) -> Step {
+        let Phase::Check {
+            mut sent,
+            mut recvd,
+        } = run.phase
+        else {
+            return Ok(None);
+        };
+        let n = self.world;
+        let r = loop {
+            if sent < n - 1 {
+                let to = (self.rank + 1 + sent) % n;
+                if !self.reserve(run, to)? {
+                    break Some(credit(to, run));
+                }
+                let Some(fp) = run.fingerprint.as_ref() else {
+                    return Err(Error::Internal("fingerprint missing".into()));
+                };
+                // SAFETY: the boxed bytes live in the run until it ends, so past any kernel reading them.
+                let src = unsafe { Span::host(fp.as_ptr() as *mut u8, fp.len()) };
+                let k = Kernel::Copy {
+                    dst: self.out_slot(run, Fingerprint::LEN)?,
+                    src,
+                };
+                self.kernel(run, &k)?;
+                self.post(run, Fingerprint::LEN)?;
+                sent += 1;
+                run.steps += 1;
+            } else if recvd < n - 1 {
+                let from = (self.rank + n - 1 - recvd) % n;
+                if !self.recv(run, 0, from, false)? {
+                    break Some(data(from, run));
+                }
+                let theirs = match run.rx[0].as_ref().map(RecvSlot::host_bytes) {
+                    Some(Some(b)) => Fingerprint::decode(b),
+                    _ => Err("a fingerprint that is not in host memory".to_string()),
+                };
+                self.release(run, 0)?;
+                let mine = run.op.fingerprint(run.seq);
+                let detail = match theirs {
+                    Ok(f) if f == mine => None,
+                    Ok(f) => Some(format!(
+                        "rank {} runs {mine}; rank {from} runs {f}",
+                        self.rank
+                    )),
+                    Err(e) => Some(format!("rank {from} sent a malformed fingerprint: {e}")),
+                };
+                if let (Some(detail), None) = (detail, &run.mismatch) {
+                    run.mismatch = Some(Error::Mismatch {
+                        rank: self.rank,
+                        peer: from,
+                        collective: run.op.collective.name().to_string(),
+                        seq: run.seq,
+                        detail,
+                    });
+                }
+                recvd += 1;
+                run.steps += 1;
+            } else {
+                break None;
+            }
+        };
+        run.phase = Phase::Check { sent, recvd };
+        Ok(r)
+    }
+
+    /// Executes `a`, or the rest of it, as far as it goes.
+    fn step(&mut self, run: &mut Run, a: &Action) -> Step {
+        let (dtype, redop) = (run.op.dtype, run.op.redop);
+        let (es, acc) = (dtype.size(), dtype.accumulator().size());
+        match a {
+            Action::Copy { .. } => local_step(&mut *self.engine, run, a),
+            Action::Send { to, buf, range } => {
+                if !self.reserve(run, *to)? {
+                    return Ok(Some(credit(*to, run)));
+                }
+                let src = match buf {
+                    Buf::Input => input(run, range)?,
+                    Buf::Output => output(run, range)?,
+                };
+                let k = Kernel::Copy {
+                    dst: self.out_slot(run, src.len())?,
+                    src,
+                };
+                self.kernel(run, &k)?;
+                self.post(run, src.len())?;
+                Ok(None)
+            }
+            Action::SendAcc { to, range } => {
+                if !self.reserve(run, *to)? {
+                    return Ok(Some(credit(*to, run)));
+                }
+                let len = range.len() * acc;
+                let k = Kernel::ToAcc {
+                    dtype,
+                    dst: self.out_slot(run, len)?,
+                    src: input(run, range)?,
+                };
+                self.kernel(run, &k)?;
+                self.post(run, len)?;
+                Ok(None)
+            }
+            Action::RecvReduceSend { from, to, range } => {
+                if !self.recv(run, 0, *from, true)? {
+                    return Ok(Some(data(*from, run)));
+                }
+                let len = range.len() * acc;
+                let partial = self.held(run, 0, len)?;
+                if !self.reserve(run, *to)? {
+                    return Ok(Some(credit(*to, run)));
+                }
+                let k = Kernel::Combine {
+                    dtype,
+                    op: redop,
+                    dst: self.out_slot(run, len)?,
+                    partial,
+                    input: input(run, range)?,
+                };
+                self.kernel(run, &k)?;
+                self.post(run, len)?;
+                self.release(run, 0)?;
+                Ok(None)
+            }
+            Action::RecvReduceFinal {
+                from,
+                input: ir,
+                output: or,
+                forward,
+                nranks,
+            } => {
+                if run.stage == 0 {
+                    if !self.recv(run, 0, *from, true)? {
+                        return Ok(Some(data(*from, run)));
+                    }
+                    let partial = self.held(run, 0, ir.len() * acc)?;
+                    let own = if same(run, ir, or) {
+                        Operand::Dst
+                    } else {
+                        Operand::Span(input(run, ir)?)
+                    };
+                    let k = Kernel::Finalize {
+                        dtype,
+                        op: redop,
+                        nranks: *nranks,
+                        dst: output(run, or)?,
+                        partial,
+                        own,
+                    };
+                    self.kernel(run, &k)?;
+                    self.release(run, 0)?;
+                    run.stage = 1;
+                    run.steps += 1;
+                }
+                self.forward(run, *forward, or)
+            }
+            Action::RecvCopy {
+                from,
+                output: or,
+                forward,
+            } => {
+                if run.stage == 0 {
+                    if !self.recv(run, 0, *from, true)? {
+                        return Ok(Some(data(*from, run)));
+                    }
+                    let src = self.held(run, 0, or.len() * es)?;
+                    let k = Kernel::Copy {
+                        dst: output(run, or)?,
+                        src,
+                    };
+                    self.kernel(run, &k)?;
+                    self.release(run, 0)?;
+                    run.stage = 1;
+                    run.steps += 1;
+                }
+                self.forward(run, *forward, or)
+            }
+            Action::LoadAcc { range } => {
+                let k = Kernel::ToAcc {
+                    dtype,
+                    dst: scratch(run, range)?,
+                    src: input(run, range)?,
+                };
+                self.kernel(run, &k)?;
+                Ok(None)
+            }
+            Action::RecvCombine { from, range } => {
+                if !self.recv(run, 0, *from, true)? {
+                    return Ok(Some(data(*from, run)));
+                }
+                let partial = self.held(run, 0, range.len() * acc)?;
+                let k = Kernel::CombineAcc {
+                    dtype,
+                    op: redop,
+                    acc: scratch(run, range)?,
+                    partial,
+                };
+                self.kernel(run, &k)?;
+                self.release(run, 0)?;
+                Ok(None)
+            }
+            Action::SendScratch { to, range } => {
+                if !self.reserve(run, *to)? {
+                    return Ok(Some(credit(*to, run)));
+                }
+                let src = scratch(run, range)?;
+                let k = Kernel::Copy {
+                    dst: self.out_slot(run, src.len())?,
+                    src,
+                };
+                self.kernel(run, &k)?;
+                self.post(run, src.len())?;
+                Ok(None)
+            }
+            Action::FinishScratch { range, nranks } => {
+                let k = Kernel::FinishAcc {
+                    dtype,
+                    op: redop,
+                    nranks: *nranks,
+                    dst: output(run, range)?,
+                    acc: scratch(run, range)?,
+                };
+                self.kernel(run, &k)?;
+                Ok(None)
+            }
+            Action::RecvReduceAll {
+                input: ir,
+                output: or,
+                nranks,
+            } => {
+                if *nranks != self.world {
+                    return Err(Error::Internal(format!(
+                        "a reduction of {nranks} contributions on {} ranks",
+                        self.world
+                    )));
+                }
+                let me = self.rank;
+                for p in (0..self.world).filter(|p| *p != me) {
+                    if !self.recv(run, p, p, true)? {
+                        return Ok(Some(data(p, run)));
+                    }
+                }
+                let own = if same(run, ir, or) {
+                    Operand::Dst
+                } else {
+                    Operand::Span(input(run, ir)?)
+                };
+                let mut srcs = std::mem::take(self.srcs);
+                srcs.clear();
+                for p in 0..self.world {
+                    srcs.push(if p == self.rank {
+                        own
+                    } else {
+                        Operand::Span(self.held(run, p, ir.len() * es)?)
+                    });
+                }
+                let k = Kernel::ReduceOrdered {
+                    dtype,
+                    op: redop,
+                    dst: output(run, or)?,
+                    srcs: &srcs,
+                };
+                let r = self.kernel(run, &k);
+                *self.srcs = srcs;
+                r?;
+                for p in (0..self.world).filter(|p| *p != me) {
+                    self.release(run, p)?;
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// Sends `output[or]` on to `forward`, if any (the second stage of a receive-and-forward).
+    fn forward(&mut self, run: &mut Run, forward: Option<usize>, or: &Range<usize>) -> Step {
+        let Some(to) = forward else {
+            return Ok(None);
+        };
+        if !self.reserve(run, to)? {
+            return Ok(Some(credit(to, run)));
+        }
+        let src = output(run, or)?;
+        let k = Kernel::Copy {
+            dst: self.out_slot(run, src.len())?,
+            src,
+        };
+        self.kernel(run, &k)?;
+        self.post(run, src.len())?;
+        Ok(None)
+    }
+}
+
+fn data(peer: usize, run: &Run) -> Wait {
+    Wait::Link {
+        peer,
+        channel: run.channel,
+        event: Event::Data,
+    }
+}
+
+fn credit(peer: usize, run: &Run) -> Wait {
+    Wait::Link {
+        peer,
+        channel: run.channel,
+        event: Event::Credit,
+    }
+}
