@@ -631,7 +631,8 @@ class Communicator:
         return Work(h, result, keep)
 
     def all_reduce_async(self, x, op="sum", out=None):
-        """Queues an all-reduce (``x`` is copied now); ``wait()`` returns ``out`` (default ``x``)."""
+        """Queues an all-reduce that works on ``x`` and ``out`` in place, without copies (both stay
+        referenced until it completes); ``wait()`` returns ``out`` (default ``x``)."""
         _array(x, "x", writeable=out is None)
         out = x if out is None else _array(out, "out", writeable=True)
         _same_kind(x, out, "all_reduce_async")

@@ -593,13 +593,12 @@ enum braid_result braid_all_reduce_compressed(float *grad,
                                               struct braid_compress_stats *out_stats);
 
 /**
- * Queues an all-reduce of `count` elements: `sendbuf` is copied now, the result is written to `recvbuf`
- * when the work completes (`sendbuf == recvbuf` is fine). `*out` receives the work handle; free it with
- * `braid_work_free`.
+ * Queues an all-reduce of `count` elements from `sendbuf` into `recvbuf` (`sendbuf == recvbuf` is
+ * fine) on stream 0, without copying. `*out` receives the work handle; free it with `braid_work_free`.
  *
  * # Safety
- * `sendbuf` is readable for `count` elements during the call; `recvbuf` is writable for `count` elements
- * and left alone until the work completes or is freed; `out` is NULL or valid for writing a pointer.
+ * `sendbuf` is readable and `recvbuf` writable for `count` elements, both left alone until the work
+ * completes or is freed; `out` is NULL or valid for writing a pointer.
  */
 enum braid_result braid_all_reduce_async(const void *sendbuf,
                                          void *recvbuf,
@@ -611,9 +610,8 @@ enum braid_result braid_all_reduce_async(const void *sendbuf,
                                          struct braid_work **out);
 
 /**
- * Queues an all-gather: `sendcount` elements of `sendbuf` are copied now; `recvbuf` (`nranks ·
- * sendcount` elements) is written when the work completes. In place (`sendbuf == recvbuf + rank ·
- * sendcount`) is fine.
+ * Queues an all-gather of `sendcount` elements per rank into `recvbuf` (`nranks · sendcount`
+ * elements) on stream 0, without copying. In place (`sendbuf == recvbuf + rank · sendcount`) is fine.
  *
  * # Safety
  * As `braid_all_reduce_async`, with `recvbuf` writable for `nranks · sendcount` elements.
@@ -627,8 +625,8 @@ enum braid_result braid_all_gather_async(const void *sendbuf,
                                          struct braid_work **out);
 
 /**
- * Queues a broadcast from `root`: on the root `sendbuf` is copied now; every rank's `recvbuf` is written
- * when the work completes.
+ * Queues a broadcast from `root` of `count` elements (read from `sendbuf` on the root) into every
+ * rank's `recvbuf` on stream 0, without copying.
  *
  * # Safety
  * As `braid_all_reduce_async` (`sendbuf` is read on the root only).
@@ -653,8 +651,7 @@ enum braid_result braid_barrier_async(struct braid_comm *comm,
                                       struct braid_work **out);
 
 /**
- * Waits for the work, writes its result to the receive buffer given when it was issued, and returns the
- * collective's result. Waiting again returns the same result. The handle stays valid until
+ * Waits for the work and returns the collective's result (the receive buffer then holds it). Waiting again returns the same result. The handle stays valid until
  * `braid_work_free`.
  *
  * # Safety
@@ -663,7 +660,7 @@ enum braid_result braid_barrier_async(struct braid_comm *comm,
 enum braid_result braid_work_wait(struct braid_work *work);
 
 /**
- * Writes 1 to `*done` when the work has completed (its result is then in the receive buffer, and the
+ * Writes 1 to `*done` when the work has completed (the receive buffer then holds its result, and the
  * collective's result is returned), else 0 and `BRAID_SUCCESS`.
  *
  * # Safety
@@ -674,8 +671,8 @@ enum braid_result braid_work_test(struct braid_work *work,
 
 /**
  * Releases a work handle. NULL does nothing; a freed handle is `BRAID_INVALID_ARGUMENT`. Freeing work that
- * has not completed does not cancel the collective (it still runs, in order), but its result is
- * discarded and the receive buffer is not written.
+ * has not completed waits for it first (bounded by the timeout; a collective cannot be cancelled, and
+ * it works on the caller's buffers), then discards its result.
  *
  * # Safety
  * None beyond passing a handle value.

@@ -56,7 +56,6 @@ macro_rules! with_type {
         }
     };
 }
-pub(crate) use with_type;
 
 /// The dtype with code `d`.
 pub(crate) fn dtype_of(d: braid_dtype) -> Result<DType, Error> {

@@ -1,18 +1,16 @@
 //! Asynchronous collectives and their work handles.
 //!
-//! The runtime's asynchronous collectives own their buffers, so a C call copies the send buffer in when
-//! it is issued and copies the result out to the caller's receive buffer when the work completes
-//! (`braid_work_wait`, or `braid_work_test` reporting done). The receive buffer must therefore stay valid
-//! until then, or until `braid_work_free`; the send buffer may be reused as soon as the call returns.
+//! They copy nothing: the collective reads the caller's send buffer and writes the caller's receive
+//! buffer while it runs, as NCCL's do, so both must stay valid and untouched until the work has completed
+//! (`braid_work_wait`, or `braid_work_test` reporting done). `braid_work_free` on unfinished work waits for
+//! it first (bounded by the timeout), so that no collective touches memory the caller has taken back.
 
 use std::ffi::{c_int, c_void};
 use std::sync::Mutex;
 
-use braid_rt::{DType, Element, Error, Work};
+use braid_rt::{Error, Work};
 
-use crate::collectives::{
-    apart, bytes_of, checked_comm, dtype_of, redop_of, root_of, with_type, Region,
-};
+use crate::collectives::{apart, bytes_of, checked_comm, dtype_of, redop_of, root_of, Region};
 use crate::guard::guard;
 use crate::{braid_comm, braid_dtype, braid_redop, braid_result, need_out, registry, write_out};
 
@@ -23,46 +21,20 @@ pub struct braid_work {
 
 const WORK: &str = "braid_work";
 
-/// The caller's receive buffer, written once when the work completes.
-struct Out(Region);
-
-// SAFETY: the address is only written by whichever thread completes the work, under the work's lock; the
-// caller promised the buffer stays valid and untouched until then.
-unsafe impl Send for Out {}
-
-/// A runtime `Work` and where its result goes.
+/// A runtime `Work` whose op runs on the caller's buffers.
 trait Pending: Send {
     fn done(&self) -> bool;
     fn finish(self: Box<Self>) -> Result<(), Error>;
 }
 
-struct Typed<R> {
-    work: Work<R>,
-    out: Out,
-}
+struct Raw(Work<()>);
 
-impl<T: Element> Pending for Typed<Vec<T>> {
+impl Pending for Raw {
     fn done(&self) -> bool {
-        self.work.test()
+        self.0.test()
     }
     fn finish(self: Box<Self>) -> Result<(), Error> {
-        let v = self.work.wait()?;
-        let b: &[u8] = bytemuck::cast_slice(&v);
-        let out = &self.out.0;
-        assert_eq!(b.len(), out.len, "result length of an async collective");
-        // SAFETY: the caller's receive buffer is valid for `out.len` bytes until the work completes (the
-        // contract of the async calls), and `v` is our own memory.
-        unsafe { out.bytes_mut() }.copy_from_slice(b);
-        Ok(())
-    }
-}
-
-impl Pending for Typed<()> {
-    fn done(&self) -> bool {
-        self.work.test()
-    }
-    fn finish(self: Box<Self>) -> Result<(), Error> {
-        self.work.wait()
+        self.0.wait()
     }
 }
 
@@ -95,20 +67,12 @@ unsafe fn publish(out: *mut *mut braid_work, p: Box<dyn Pending>) -> Result<(), 
     unsafe { write_out(out, token as *mut braid_work, "out") }
 }
 
-/// A vector of `T` holding a copy of `src`.
-fn owned<T: Element>(src: &[u8]) -> Vec<T> {
-    let mut v = vec![<T as bytemuck::Zeroable>::zeroed(); src.len() / std::mem::size_of::<T>()];
-    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(src);
-    v
-}
-
-/// Queues an all-reduce of `count` elements: `sendbuf` is copied now, the result is written to `recvbuf`
-/// when the work completes (`sendbuf == recvbuf` is fine). `*out` receives the work handle; free it with
-/// `braid_work_free`.
+/// Queues an all-reduce of `count` elements from `sendbuf` into `recvbuf` (`sendbuf == recvbuf` is
+/// fine) on stream 0, without copying. `*out` receives the work handle; free it with `braid_work_free`.
 ///
 /// # Safety
-/// `sendbuf` is readable for `count` elements during the call; `recvbuf` is writable for `count` elements
-/// and left alone until the work completes or is freed; `out` is NULL or valid for writing a pointer.
+/// `sendbuf` is readable and `recvbuf` writable for `count` elements, both left alone until the work
+/// completes or is freed; `out` is NULL or valid for writing a pointer.
 #[no_mangle]
 pub unsafe extern "C" fn braid_all_reduce_async(
     sendbuf: *const c_void,
@@ -131,20 +95,16 @@ pub unsafe extern "C" fn braid_all_reduce_async(
         if s.ptr != r.ptr {
             apart(&s, &r, "sendbuf == recvbuf")?;
         }
-        // SAFETY: the caller's send buffer, readable during the call.
-        let src = unsafe { s.bytes() };
-        let p: Box<dyn Pending> = with_type!(dt, |T| Box::new(Typed {
-            work: c.all_reduce_async(owned::<T>(src), op),
-            out: Out(r),
-        }));
+        // SAFETY: the caller keeps both buffers valid and untouched until the work completes or is
+        // freed (which waits for it); they are the same or apart (checked).
+        let work = unsafe { c.all_reduce_raw_async(0, s.ptr, r.ptr, n, dt, op)? };
         // SAFETY: `out` checked above.
-        unsafe { publish(out, p) }
+        unsafe { publish(out, Box::new(Raw(work))) }
     })
 }
 
-/// Queues an all-gather: `sendcount` elements of `sendbuf` are copied now; `recvbuf` (`nranks ·
-/// sendcount` elements) is written when the work completes. In place (`sendbuf == recvbuf + rank ·
-/// sendcount`) is fine.
+/// Queues an all-gather of `sendcount` elements per rank into `recvbuf` (`nranks · sendcount`
+/// elements) on stream 0, without copying. In place (`sendbuf == recvbuf + rank · sendcount`) is fine.
 ///
 /// # Safety
 /// As `braid_all_reduce_async`, with `recvbuf` writable for `nranks · sendcount` elements.
@@ -169,19 +129,15 @@ pub unsafe extern "C" fn braid_all_gather_async(
         if !(n > 0 && s.at(0) == r.at(c.rank() * n)) {
             apart(&s, &r, "sendbuf == recvbuf + rank · sendcount")?;
         }
-        // SAFETY: the caller's send buffer, readable during the call.
-        let src = unsafe { s.bytes() };
-        let p: Box<dyn Pending> = with_type!(dt, |T| Box::new(Typed {
-            work: c.all_gather_async(owned::<T>(src)),
-            out: Out(r),
-        }));
+        // SAFETY: as in `braid_all_reduce_async`; in place the send block lies inside the output.
+        let work = unsafe { c.all_gather_raw_async(0, s.ptr, r.ptr, n, dt)? };
         // SAFETY: `out` checked above.
-        unsafe { publish(out, p) }
+        unsafe { publish(out, Box::new(Raw(work))) }
     })
 }
 
-/// Queues a broadcast from `root`: on the root `sendbuf` is copied now; every rank's `recvbuf` is written
-/// when the work completes.
+/// Queues a broadcast from `root` of `count` elements (read from `sendbuf` on the root) into every
+/// rank's `recvbuf` on stream 0, without copying.
 ///
 /// # Safety
 /// As `braid_all_reduce_async` (`sendbuf` is read on the root only).
@@ -203,24 +159,19 @@ pub unsafe extern "C" fn braid_broadcast_async(
         need_out(out, "out")?;
         let n = bytes_of(count, 1, dt, "count")?;
         let r = Region::new(recvbuf, n, "recvbuf")?;
-        let zeros;
-        let src: &[u8] = if c.rank() == root {
+        let send = if c.rank() == root {
             let s = Region::new(sendbuf, n, "sendbuf")?;
             if s.ptr != r.ptr {
                 apart(&s, &r, "sendbuf == recvbuf")?;
             }
-            // SAFETY: the caller's send buffer, readable during the call.
-            unsafe { s.bytes() }
+            s.ptr
         } else {
-            zeros = vec![0u8; n];
-            &zeros
+            r.ptr
         };
-        let p: Box<dyn Pending> = with_type!(dt, |T| Box::new(Typed {
-            work: c.broadcast_async(owned::<T>(src), root)?,
-            out: Out(r),
-        }));
+        // SAFETY: as in `braid_all_reduce_async`; off the root the send buffer is not read.
+        let work = unsafe { c.broadcast_raw_async(0, send, r.ptr, n, dt, root)? };
         // SAFETY: `out` checked above.
-        unsafe { publish(out, p) }
+        unsafe { publish(out, Box::new(Raw(work))) }
     })
 }
 
@@ -237,13 +188,9 @@ pub unsafe extern "C" fn braid_barrier_async(
     guard("braid_barrier_async", || {
         let c = checked_comm(comm, stream)?;
         need_out(out, "out")?;
-        let empty = Region::new(std::ptr::null(), 0, "recvbuf")?;
-        let p: Box<dyn Pending> = Box::new(Typed {
-            work: c.barrier_async(),
-            out: Out(empty),
-        });
+        let work = c.barrier_async();
         // SAFETY: `out` checked above.
-        unsafe { publish(out, p) }
+        unsafe { publish(out, Box::new(Raw(work))) }
     })
 }
 
@@ -251,8 +198,7 @@ fn state_of(work: *mut braid_work) -> Result<std::sync::Arc<Mutex<WorkState>>, E
     registry::get::<Mutex<WorkState>>(work as usize, WORK, "work")
 }
 
-/// Waits for the work, writes its result to the receive buffer given when it was issued, and returns the
-/// collective's result. Waiting again returns the same result. The handle stays valid until
+/// Waits for the work and returns the collective's result (the receive buffer then holds it). Waiting again returns the same result. The handle stays valid until
 /// `braid_work_free`.
 ///
 /// # Safety
@@ -266,7 +212,7 @@ pub unsafe extern "C" fn braid_work_wait(work: *mut braid_work) -> braid_result 
     })
 }
 
-/// Writes 1 to `*done` when the work has completed (its result is then in the receive buffer, and the
+/// Writes 1 to `*done` when the work has completed (the receive buffer then holds its result, and the
 /// collective's result is returned), else 0 and `BRAID_SUCCESS`.
 ///
 /// # Safety
@@ -289,8 +235,8 @@ pub unsafe extern "C" fn braid_work_test(work: *mut braid_work, done: *mut c_int
 }
 
 /// Releases a work handle. NULL does nothing; a freed handle is `BRAID_INVALID_ARGUMENT`. Freeing work that
-/// has not completed does not cancel the collective (it still runs, in order), but its result is
-/// discarded and the receive buffer is not written.
+/// has not completed waits for it first (bounded by the timeout; a collective cannot be cancelled, and
+/// it works on the caller's buffers), then discards its result.
 ///
 /// # Safety
 /// None beyond passing a handle value.
@@ -300,11 +246,9 @@ pub unsafe extern "C" fn braid_work_free(work: *mut braid_work) -> braid_result 
         if work.is_null() {
             return Ok(());
         }
-        drop(registry::remove::<Mutex<WorkState>>(
-            work as usize,
-            WORK,
-            "work",
-        )?);
+        let state = registry::remove::<Mutex<WorkState>>(work as usize, WORK, "work")?;
+        let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = st.complete();
         Ok(())
     })
 }

@@ -8,7 +8,7 @@ mod common;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use braid::{Communicator, DType, Error, ReduceOp};
+use braid::{Communicator, DType, Error, Priority, ReduceOp};
 use braid_core::exact::{inputs, reduced};
 use common::scenarios::{assert_identical, scenario_algorithms};
 use common::{braid, braid_run, braid_segments, free_port, me, show};
@@ -128,6 +128,111 @@ fn scenario_matrix(c: &Communicator) -> usize {
     checks + 3
 }
 
+/// Two streams: a 64 MiB all-reduce on a low-priority stream, then small ones on a high-priority
+/// stream; the small ones complete first, in issue order, and every result is exact. Then events
+/// between streams, borrowed buffers in a scope, and raw (zero-copy) async calls.
+fn scenario_streams(c: &Communicator) -> usize {
+    let (rank, world) = (c.rank(), c.world_size());
+    assert!(c.streams() >= 2, "BRAID_STREAMS must give two streams");
+    c.set_stream_priority(1, Priority::Low).unwrap();
+    c.set_stream_priority(0, Priority::High).unwrap();
+    assert_eq!(c.stream_priority(1).unwrap(), Priority::Low);
+    // Callbacks run on the thread that completes the work, after `wait` can return: they report
+    // through a channel, and the test reads it with a deadline.
+    let (tx, rx) = std::sync::mpsc::channel::<Result<String, String>>();
+    let note = |label: String| {
+        let tx = tx.clone();
+        move |r: &Result<(), Error>| {
+            let _ = tx.send(match r {
+                Ok(()) => Ok(label),
+                Err(e) => Err(format!("{label}: {e}")),
+            });
+        }
+    };
+    let big = vec![1.0f32 + rank as f32; 16 << 20];
+    let big = c.all_reduce_async_on(1, big, ReduceOp::Sum).unwrap();
+    big.on_complete(note("big".into()));
+    const SMALL: usize = 12;
+    let smalls: Vec<_> = (0..SMALL)
+        .map(|i| {
+            let w = c
+                .all_reduce_async_on(0, vec![(rank * 100 + i) as u64; 3], ReduceOp::Sum)
+                .unwrap();
+            w.on_complete(note(format!("small{i}")));
+            w
+        })
+        .collect();
+    let w = world as u64;
+    for (i, s) in smalls.into_iter().enumerate() {
+        let got = s.wait().unwrap();
+        let want = 100 * w * (w - 1) / 2 + w * i as u64;
+        assert_eq!(got, vec![want; 3], "small all-reduce {i}");
+    }
+    let got = big.wait().unwrap();
+    let want = world as f32 + (world * (world - 1) / 2) as f32;
+    assert!(
+        got.iter().all(|x| *x == want),
+        "the 64 MiB all-reduce is wrong"
+    );
+    let order: Vec<String> = (0..=SMALL)
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(30))
+                .expect("a callback")
+                .unwrap()
+        })
+        .collect();
+    let expected: Vec<String> = (0..SMALL)
+        .map(|i| format!("small{i}"))
+        .chain(["big".to_string()])
+        .collect();
+    assert_eq!(
+        order, expected,
+        "rank {rank}: completion order (small ones first, in issue order)"
+    );
+
+    // An event: stream 1's next op starts only after stream 0's all-reduce is done.
+    let first = c
+        .all_reduce_async_on(0, vec![rank as u32 + 1; 1000], ReduceOp::Sum)
+        .unwrap();
+    let ev = c.record_event(0).unwrap();
+    c.wait_event(1, &ev).unwrap();
+    let second = c.barrier_async_on(1).unwrap();
+    second.wait().unwrap();
+    // The barrier on stream 1 completed, so the all-reduce before the event had.
+    assert!(
+        first.test(),
+        "stream 1 did not wait for the event on stream 0"
+    );
+    let total = (world * (world + 1) / 2) as u32;
+    assert_eq!(first.wait().unwrap(), vec![total; 1000]);
+
+    // Borrowed buffers, no copies: complete when the scope ends.
+    let send: Vec<f64> = (0..50_000).map(|i| (i % 13) as f64 + rank as f64).collect();
+    let mut recv = vec![0.0f64; send.len()];
+    let mut small = [rank as i64; 5];
+    c.scope(|s| {
+        let a = s.all_reduce(1, &send, &mut recv, ReduceOp::Sum).unwrap();
+        let b = s.all_reduce_in_place(0, &mut small, ReduceOp::Max).unwrap();
+        b.wait().unwrap();
+        let _ = a; // completes when the scope ends
+    });
+    let ranks_sum = (world * (world - 1) / 2) as f64;
+    for (i, v) in recv.iter().enumerate() {
+        assert_eq!(
+            *v,
+            (i % 13) as f64 * world as f64 + ranks_sum,
+            "scoped element {i}"
+        );
+    }
+    assert_eq!(small, [world as i64 - 1; 5]);
+    assert!(
+        c.all_reduce_async_on(9, vec![0u8], ReduceOp::Sum).is_err(),
+        "stream 9 exists?"
+    );
+    assert!(c.async_error().is_none());
+    SMALL + 4
+}
+
 fn rank_main(scenario: &str, args: &[String]) -> i32 {
     common::pretend_hosts_from_env();
     let c = match Communicator::from_env() {
@@ -140,6 +245,11 @@ fn rank_main(scenario: &str, args: &[String]) -> i32 {
     match scenario {
         "matrix" => {
             let n = scenario_matrix(&c);
+            println!("rank {} ok: {n} checks", c.rank());
+            0
+        }
+        "streams" => {
+            let n = scenario_streams(&c);
             println!("rank {} ok: {n} checks", c.rank());
             0
         }
@@ -254,6 +364,27 @@ fn test_matrix() {
             "  matrix on {n} ranks: ok ({:.1} s)",
             start.elapsed().as_secs_f64()
         );
+    }
+}
+
+fn test_streams() {
+    for transport in ["shm", "tcp"] {
+        let o = braid_run(
+            4,
+            &["streams"],
+            &[
+                ("BRAID_TRANSPORT", transport),
+                ("BRAID_TIMEOUT_MS", "60000"),
+            ],
+        );
+        assert!(
+            o.status.success(),
+            "streams over {transport}:\n{}",
+            show(&o)
+        );
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(out.matches(" ok: ").count(), 4, "{}", show(&o));
+        println!("  streams on 4 ranks over {transport}: ok");
     }
 }
 
@@ -635,8 +766,12 @@ fn main() {
         return;
     }
     let before = braid_segments();
-    let tests: [(&str, fn()); 11] = [
+    let tests: [(&str, fn()); 12] = [
         ("matrix of ranks × dtypes × ops × counts", test_matrix),
+        (
+            "two streams: priorities, events, callbacks, borrowed buffers",
+            test_streams,
+        ),
         (
             "every algorithm of every collective, forced",
             test_algorithms,

@@ -47,6 +47,9 @@ pub struct Config {
     pub slots: usize,
     /// Rings a ring all-reduce is split over, alternating direction (`BRAID_CHANNELS`, default 1).
     pub channels: usize,
+    /// Streams of a communicator: each has its own channel on every link and its own order
+    /// (`BRAID_STREAMS`, default 2, at most 8).
+    pub streams: usize,
     /// How long a wait spins before it blocks, in microseconds (`BRAID_SPIN_US`; default: 20 when there
     /// are at least as many cores as local ranks, 0 when ranks outnumber cores).
     pub spin_us: Option<u64>,
@@ -95,6 +98,7 @@ impl Default for Config {
             chunk_bytes: 128 * 1024,
             slots: 8,
             channels: 1,
+            streams: 2,
             spin_us: None,
             algo: None,
             tune_file: None,
@@ -154,6 +158,9 @@ impl Config {
         }
         if let Some(v) = lookup("BRAID_SLOTS") {
             c.slots = parse_num("BRAID_SLOTS", &v, 2, 64)? as usize;
+        }
+        if let Some(v) = lookup("BRAID_STREAMS") {
+            c.streams = parse_num("BRAID_STREAMS", &v, 1, 8)? as usize;
         }
         if let Some(v) = lookup("BRAID_CHANNELS") {
             c.channels = parse_num("BRAID_CHANNELS", &v, 1, 16)? as usize;

@@ -82,6 +82,8 @@ pub enum Progress {
     Done,
     /// The run cannot go further until this happens.
     Blocked(Wait),
+    /// The run used up the poll's step budget; it can go on at once.
+    Yielded,
 }
 
 /// The executor's fixed settings.
@@ -461,10 +463,21 @@ impl Executor {
     /// Advances `run` as far as it goes without waiting. `now` is the time the caller goes by: a run
     /// that is blocked at or past its deadline fails with a timeout naming what it waited for.
     pub fn poll(&mut self, run: &mut Run, now: Instant) -> Result<Progress, Error> {
+        self.poll_for(run, now, u64::MAX)
+    }
+
+    /// [`Executor::poll`], returning [`Progress::Yielded`] after `budget` steps so that a driver can
+    /// turn to other runs (a higher-priority stream's) in between.
+    pub fn poll_for(
+        &mut self,
+        run: &mut Run,
+        now: Instant,
+        budget: u64,
+    ) -> Result<Progress, Error> {
         if run.phase == Phase::Done {
             return Ok(Progress::Done);
         }
-        let r = self.advance(run);
+        let r = self.advance(run, budget.max(1));
         let r = match r {
             Ok(Progress::Blocked(w)) => {
                 if self.abort.load(Ordering::Relaxed) {
@@ -486,7 +499,33 @@ impl Executor {
                 run.phase = Phase::Done;
                 self.recycle(run);
             }
-            Ok(Progress::Blocked(_)) => {}
+            Ok(Progress::Blocked(_) | Progress::Yielded) => {}
+        }
+        r
+    }
+
+    /// Sleeps until what `run` waits for may have happened, or `until` (at the latest its deadline).
+    /// An error (the peer died, the deadline passed, an abort) ends the run: it is complete, and the
+    /// error is its result.
+    pub fn wait(&mut self, run: &mut Run, wait: Wait, until: Instant) -> Result<(), Error> {
+        let until = until.min(run.deadline);
+        let r = match wait {
+            Wait::Link {
+                peer,
+                channel,
+                event,
+            } => match self.link.as_deref() {
+                Some(link) => {
+                    let ctx = run_ctx(self.rank, &self.abort, run);
+                    link.wait(peer, channel, event, &ctx, until)
+                }
+                None => Ok(()),
+            },
+            Wait::Engine(t) => self.engine.wait(t, until),
+        };
+        if r.is_err() {
+            run.phase = Phase::Done;
+            self.recycle(run);
         }
         r
     }
@@ -497,6 +536,7 @@ impl Executor {
         loop {
             match self.poll(run, now)? {
                 Progress::Done => return Ok(()),
+                Progress::Yielded => {}
                 Progress::Blocked(Wait::Link {
                     peer,
                     channel,
@@ -551,8 +591,9 @@ impl Executor {
         }
     }
 
-    fn advance(&mut self, run: &mut Run) -> Result<Progress, Error> {
+    fn advance(&mut self, run: &mut Run, budget: u64) -> Result<Progress, Error> {
         let link = self.link.as_deref();
+        let first = run.steps;
         loop {
             match run.phase {
                 Phase::Check { .. } => {
@@ -599,6 +640,9 @@ impl Executor {
                         run.pc += 1;
                         run.stage = 0;
                         run.steps += 1;
+                        if run.steps - first >= budget && run.pc < plan.actions.len() {
+                            return Ok(Progress::Yielded);
+                        }
                     }
                     run.phase = Phase::Drain;
                 }

@@ -253,12 +253,12 @@ pub fn simulate(job: &Job<'_>) -> Result<Report, SimError> {
                 _ => {}
             }
             let before = run.steps();
-            match exec.poll(run, now) {
+            match exec.poll_for(run, now, 4) {
                 Ok(Progress::Done) => {
                     ranks[r] = Rank::Finished(Ok(()));
                     progressed = true;
                 }
-                Ok(Progress::Blocked(_)) => progressed |= run.steps() != before,
+                Ok(Progress::Blocked(_) | Progress::Yielded) => progressed |= run.steps() != before,
                 Err(e) => {
                     // As the communicator does: a failed rank tells its peers.
                     aborts[r].fail_and_wake();

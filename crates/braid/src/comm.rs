@@ -1,30 +1,22 @@
-//! The communicator: setup, argument checks, the op queue and its progress engine, abort and sticky
-//! errors.
+//! The communicator: setup, argument checks, the collectives, abort and sticky errors. Ops run on
+//! streams (`streams.rs`); asynchronous calls on chosen streams and borrowed buffers are in `scope.rs`.
 //!
-//! Every collective becomes an [`Op`] on the communicator's host stream. Ops run strictly in the order
-//! they were issued, on whichever thread gets there first: a blocking call runs its op (and anything
-//! queued before it) on the calling thread, so a small all-reduce never pays for a thread hand-off; async
-//! ops are run by a progress thread, started on first use. CUDA streams will be further queues of the same
-//! kind.
+//! Every collective becomes an [`Op`]; blocking calls and the `*_async` calls without a stream run on
+//! stream 0, in the order they were issued.
 
-use std::any::Any;
-use std::collections::VecDeque;
-use std::marker::PhantomData;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use braid_core::{Config, DType, Element, Error, ReduceOp};
-use braid_transport::{AbortHandle, Geometry, Link, Router, Setup, SetupCtx, WaitPolicy};
-use parking_lot::{Condvar, Mutex};
-use tracing::{debug, error};
+use braid_transport::{Geometry, Link, Router, Setup, SetupCtx, WaitPolicy};
+use tracing::debug;
 
 use crate::bootstrap::{self, Agreed};
 use crate::exec::{Executor, Kind, Op};
 use crate::id::{random_secret, UniqueId};
 use crate::job::JobEnv;
+use crate::streams::{Streams, Task, Work};
 use crate::tune::{Algo, AlgoPolicy, Collective, Tuner, TuningFile};
 use crate::wire::PeerInfo;
 
@@ -34,12 +26,12 @@ use crate::wire::PeerInfo;
 /// communicator stays usable; any other error (timeout, dead or aborted peer, mismatch) makes the
 /// communicator unusable, visible through [`Communicator::async_error`], and later calls fail fast.
 pub struct Communicator {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
-struct Inner {
-    rank: usize,
-    world: usize,
+pub(crate) struct Inner {
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
     /// How each peer is reached ("self", "shm" or "tcp"), indexed by rank.
     routes: Vec<&'static str>,
     /// The ranks of each host.
@@ -47,74 +39,9 @@ struct Inner {
     /// Where the ranks are, as the communicator decided it.
     topology: braid_topo::Topology,
     config: Config,
-    exec: Mutex<Executor>,
-    queue: Mutex<VecDeque<Arc<Task>>>,
-    queued: Condvar,
+    pub(crate) streams: Arc<Streams>,
     abort: Arc<AtomicBool>,
-    shutdown: AtomicBool,
-    sticky: Mutex<Option<Error>>,
-    maps: Arc<dyn AbortHandle>,
     recorder: crate::recorder::Recorder,
-    progress: Mutex<Option<JoinHandle<()>>>,
-}
-
-struct Task {
-    op: Op,
-    result: Mutex<Option<Result<(), Error>>>,
-    done: Condvar,
-    keep: Mutex<Option<Box<dyn Any + Send>>>,
-}
-
-impl Task {
-    fn complete(&self, r: Result<(), Error>) {
-        *self.result.lock() = Some(r);
-        self.done.notify_all();
-    }
-}
-
-/// A collective in flight. [`Work::wait`] returns the buffer the op was given, now holding the result.
-/// Dropping a `Work` does not cancel the op; it still runs, in order.
-#[must_use = "a collective's result is only known after wait()"]
-pub struct Work<R> {
-    task: Arc<Task>,
-    rank: usize,
-    limit: Duration,
-    _r: PhantomData<fn() -> R>,
-}
-
-impl<R: 'static> Work<R> {
-    /// Whether the op has finished (successfully or not).
-    pub fn test(&self) -> bool {
-        self.task.result.lock().is_some()
-    }
-
-    /// Waits for the op and returns its buffer. The wait is bounded: an op cannot outlive the
-    /// communicator's timeout by much, and if it somehow does this returns an error instead of hanging.
-    pub fn wait(self) -> Result<R, Error> {
-        let deadline = Instant::now() + self.limit;
-        let mut res = self.task.result.lock();
-        while res.is_none() {
-            if self.task.done.wait_until(&mut res, deadline).timed_out() && res.is_none() {
-                return Err(Error::Poisoned {
-                    rank: self.rank,
-                    first: format!(
-                        "{} did not complete within {:?}",
-                        self.task.op.kind.name(),
-                        self.limit
-                    ),
-                });
-            }
-        }
-        res.take().expect("checked")?;
-        drop(res);
-        let keep = self
-            .task
-            .keep
-            .lock()
-            .take()
-            .expect("work buffer taken once");
-        Ok(*keep.downcast::<R>().expect("work buffer type"))
-    }
 }
 
 /// The identity of this host: equal strings mean the same kernel (and the same `/dev/shm`).
@@ -309,7 +236,7 @@ impl Communicator {
         let geometry = Geometry {
             rank,
             world,
-            channels: 1,
+            channels: config.streams,
             slots: config.slots,
             slot_bytes,
         };
@@ -368,22 +295,18 @@ impl Communicator {
             executor.tuner.set_tcp_link(link);
         }
         let recorder = executor.recorder.clone();
+        let limit = config.timeout * 2 + Duration::from_secs(10);
+        let streams = Arc::new(Streams::new(rank, executor, config.streams, maps, limit));
         let inner = Inner {
             rank,
             world,
             routes,
             hosts,
             topology,
-            exec: Mutex::new(executor),
+            streams,
             recorder,
             config,
-            queue: Mutex::new(VecDeque::new()),
-            queued: Condvar::new(),
             abort,
-            shutdown: AtomicBool::new(false),
-            sticky: Mutex::new(None),
-            maps,
-            progress: Mutex::new(None),
         };
         Ok(Communicator {
             inner: Arc::new(inner),
@@ -454,13 +377,19 @@ impl Communicator {
     /// The algorithm braid would use for `c` at `bytes` bytes, and why (`forced`, `table`, `model`,
     /// `rule`).
     pub fn algorithm(&self, c: Collective, bytes: usize) -> (Algo, &'static str) {
-        self.inner.exec.lock().tuner.pick_with_reason(c, bytes)
+        self.inner
+            .streams
+            .sched
+            .lock()
+            .exec
+            .tuner
+            .pick_with_reason(c, bytes)
     }
 
     /// Forces the algorithm of `c` on this rank from the next call on (`None` returns the choice to
     /// braid). Every rank must make the same call at the same point in its sequence of collectives.
     pub fn set_algorithm(&self, c: Collective, algo: Option<Algo>) -> Result<(), Error> {
-        self.inner.exec.lock().tuner.force(c, algo)
+        self.inner.streams.sched.lock().exec.tuner.force(c, algo)
     }
 
     /// The last collectives of this communicator (up to 64), oldest first: what ran, with which
@@ -471,7 +400,7 @@ impl Communicator {
 
     /// The first error that made this communicator unusable, if any.
     pub fn async_error(&self) -> Option<Error> {
-        self.inner.sticky.lock().clone()
+        self.inner.streams.sticky()
     }
 
     /// Aborts: every blocked or later call on this communicator returns an error promptly, and peers
@@ -479,17 +408,15 @@ impl Communicator {
     pub fn abort(&self) {
         let inner = &self.inner;
         inner.abort.store(true, Ordering::SeqCst);
-        inner.sticky.lock().get_or_insert(Error::Aborted {
+        inner.streams.abort(Error::Aborted {
             rank: inner.rank,
             during: String::new(),
         });
-        inner.maps.fail_and_wake();
-        inner.queued.notify_all();
     }
 
     // ---- argument checks -------------------------------------------------------------------------
 
-    fn elems(&self, len: usize, dtype: DType, what: &str) -> Result<usize, Error> {
+    pub(crate) fn elems(&self, len: usize, dtype: DType, what: &str) -> Result<usize, Error> {
         if len % dtype.size() != 0 {
             return Err(Error::invalid(format!(
                 "{what} buffer of {len} bytes is not a whole number of {dtype} elements"
@@ -736,10 +663,7 @@ impl Communicator {
     }
 
     fn run_blocking(&self, op: Op) -> Result<(), Error> {
-        let inner = &self.inner;
-        let mut exec = inner.exec.lock();
-        inner.drain(&mut exec);
-        inner.execute(&mut exec, &op)
+        self.inner.streams.run_blocking(op, 0)
     }
 
     // ---- typed collectives ------------------------------------------------------------------------
@@ -1030,104 +954,53 @@ impl Communicator {
     }
 
     fn submit<R: Send + 'static>(&self, op: Op, keep: Box<R>) -> Work<R> {
+        self.submit_on(0, op, keep)
+            .unwrap_or_else(|e| self.failed_work(e))
+    }
+
+    pub(crate) fn submit_on<R: Send + 'static>(
+        &self,
+        stream: usize,
+        op: Op,
+        keep: Box<R>,
+    ) -> Result<Work<R>, Error> {
         let inner = &self.inner;
-        let task = Arc::new(Task {
-            op,
-            result: Mutex::new(None),
-            done: Condvar::new(),
-            keep: Mutex::new(Some(keep)),
-        });
-        inner.queue.lock().push_back(task.clone());
-        inner.ensure_progress_thread(&self.inner);
-        inner.queued.notify_one();
-        Work {
-            task,
-            rank: inner.rank,
-            limit: inner.config.timeout * 2 + Duration::from_secs(10),
-            _r: PhantomData,
-        }
+        let task = Task::new(op, Some(keep));
+        inner.streams.submit(task.clone(), stream)?;
+        Ok(Work::new(task, inner.rank, inner.streams_limit()))
+    }
+
+    /// A work handle that already holds `e` (a submission that could not be queued).
+    fn failed_work<R: Send + 'static>(&self, e: Error) -> Work<R> {
+        // SAFETY: a barrier touches no buffer.
+        let op = unsafe {
+            Op::new(
+                Kind::Barrier,
+                DType::U8,
+                ReduceOp::Sum,
+                0,
+                std::ptr::null(),
+                0,
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        let task = Task::new(op, None);
+        task.fail_now(e);
+        Work::new(task, self.inner.rank, Duration::ZERO)
     }
 }
 
 impl Inner {
-    /// Runs one op under the executor lock, turning panics and non-argument errors into a sticky error.
-    fn execute(&self, exec: &mut Executor, op: &Op) -> Result<(), Error> {
-        if let Some(first) = self.sticky.lock().as_ref() {
-            return Err(Error::Poisoned {
-                rank: self.rank,
-                first: first.to_string(),
-            });
-        }
-        let seq = exec.next_seq();
-        let r = catch_unwind(AssertUnwindSafe(|| exec.run(op))).unwrap_or_else(|p| {
-            let msg = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned());
-            Err(Error::Poisoned {
-                rank: self.rank,
-                first: format!(
-                    "internal error in {} #{seq}: {}",
-                    op.kind.name(),
-                    msg.unwrap_or_default()
-                ),
-            })
-        });
-        if let Err(e) = &r {
-            if !e.is_invalid_argument() {
-                error!("{e}");
-                self.sticky.lock().get_or_insert(e.clone());
-                self.maps.fail_and_wake();
-            }
-        }
-        r
-    }
-
-    /// Runs every queued op, in order.
-    fn drain(&self, exec: &mut Executor) {
-        loop {
-            let next = self.queue.lock().pop_front();
-            let Some(task) = next else { return };
-            let r = self.execute(exec, &task.op);
-            task.complete(r);
-        }
-    }
-
-    fn ensure_progress_thread(&self, me: &Arc<Inner>) {
-        let mut slot = self.progress.lock();
-        if slot.is_some() {
-            return;
-        }
-        let inner = me.clone();
-        let handle = std::thread::Builder::new()
-            .name(format!("braid-progress-{}", self.rank))
-            .spawn(move || loop {
-                {
-                    let mut q = inner.queue.lock();
-                    while q.is_empty() && !inner.shutdown.load(Ordering::Acquire) {
-                        inner.queued.wait_for(&mut q, Duration::from_millis(100));
-                    }
-                    if q.is_empty() {
-                        return;
-                    }
-                }
-                let mut exec = inner.exec.lock();
-                inner.drain(&mut exec);
-            })
-            .expect("spawning the progress thread");
-        *slot = Some(handle);
+    pub(crate) fn streams_limit(&self) -> Duration {
+        self.config.timeout * 2 + Duration::from_secs(10)
     }
 }
 
 impl Drop for Communicator {
     fn drop(&mut self) {
-        let inner = &self.inner;
-        inner.shutdown.store(true, Ordering::Release);
-        inner.queued.notify_all();
-        if let Some(h) = inner.progress.lock().take() {
-            // Queued ops still run (their buffers are owned by their tasks); each is bounded by the
-            // timeout, so this join is bounded too.
-            let _ = h.join();
-        }
+        // Queued ops still run (their buffers are owned by their tasks); each is bounded by the
+        // timeout, so this is bounded too.
+        self.inner.streams.shut_down();
     }
 }

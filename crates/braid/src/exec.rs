@@ -7,15 +7,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use braid_core::{Config, DType, Error, ReduceOp};
-use braid_exec::{CpuEngine, Settings};
+use braid_exec::{CpuEngine, Progress, Run, Settings, Wait};
 use braid_transport::{Link, Span};
 use tracing::{error, trace};
 
 use crate::recorder::Recorder;
 use crate::tune::{Collective, Tuner};
-
-/// The channel every blocking collective uses.
-const CHANNEL: usize = 0;
 
 /// Which collective an op runs, with the root of those that have one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -113,13 +110,27 @@ unsafe impl Send for Op {}
 // executor, which runs one op at a time under the communicator's executor lock.
 unsafe impl Sync for Op {}
 
-/// Runs ops in order on one rank.
+/// A started op: its run and when it started (for the flight recorder).
+pub(crate) struct Running {
+    run: Run,
+    started: Instant,
+}
+
+impl Running {
+    /// Its sequence number on its stream.
+    pub(crate) fn seq(&self) -> u64 {
+        self.run.seq()
+    }
+}
+
+/// Runs ops on one rank: numbers them per stream, picks algorithms, records them.
 pub(crate) struct Executor {
     pub rank: usize,
     config: Config,
     pub tuner: Tuner,
     exec: braid_exec::Executor,
-    seq: u64,
+    /// The next sequence number of each stream.
+    seqs: Vec<u64>,
     pub recorder: Recorder,
 }
 
@@ -147,10 +158,10 @@ impl Executor {
         );
         Executor {
             rank,
+            seqs: vec![0; config.streams.max(1)],
             config,
             tuner,
             exec,
-            seq: 0,
             recorder: Recorder::default(),
         }
     }
@@ -161,30 +172,72 @@ impl Executor {
         self.exec.set_hosts(hosts);
     }
 
-    /// The sequence number the next op will get.
-    pub(crate) fn next_seq(&self) -> u64 {
-        self.seq
+    /// The sequence number the next op on `stream` will get.
+    pub(crate) fn next_seq(&self, stream: usize) -> u64 {
+        self.seqs.get(stream).copied().unwrap_or(0)
     }
 
-    /// Runs one op to completion.
-    pub(crate) fn run(&mut self, op: &Op) -> Result<(), Error> {
-        let seq = self.seq;
+    /// Starts `op` on `stream`. An op refused before anything happened (memory of the wrong kind)
+    /// takes no sequence number.
+    pub(crate) fn start(&mut self, op: &Op, stream: usize) -> Result<Running, Error> {
+        let Some(seq) = self.seqs.get(stream).copied() else {
+            return Err(Error::invalid(format!(
+                "stream {stream} does not exist (the communicator has {})",
+                self.seqs.len()
+            )));
+        };
         let algo = self
             .tuner
             .pick_cached(op.kind.collective(), op.count * op.dtype.size());
         let started = Instant::now();
-        // Refused before anything happens (memory of the wrong kind): the op takes no number.
-        let mut run = self.exec.start(op.spec, algo, CHANNEL, seq, started)?;
-        self.seq += 1;
-        trace!(rank = self.rank, seq, op = op.kind.name(), count = op.count, dtype = %op.dtype, algo = algo.name(), "run");
-        self.recorder.start(seq, op, algo, started);
-        let result = self.exec.run_blocking(&mut run);
-        self.recorder.finish(seq, &result, started.elapsed());
+        let run = self.exec.start(op.spec, algo, stream, seq, started)?;
+        self.seqs[stream] += 1;
+        trace!(rank = self.rank, stream, seq, op = op.kind.name(), count = op.count, dtype = %op.dtype, algo = algo.name(), "run");
+        self.recorder.start(stream, seq, op, algo, started);
+        Ok(Running { run, started })
+    }
+
+    /// Advances a started op by at most `budget` steps; records how it ended when it does.
+    pub(crate) fn poll(
+        &mut self,
+        r: &mut Running,
+        now: Instant,
+        budget: u64,
+    ) -> Result<Progress, Error> {
+        let result = self.exec.poll_for(&mut r.run, now, budget);
+        match &result {
+            Ok(Progress::Done) => self.finish(r, &Ok(())),
+            Err(e) => self.finish(r, &Err(e.clone())),
+            Ok(_) => {}
+        }
+        result
+    }
+
+    /// Sleeps until what `r` waits for may have happened, or `until`; an error ends the op (and is
+    /// recorded).
+    pub(crate) fn wait(&mut self, r: &mut Running, w: Wait, until: Instant) -> Result<(), Error> {
+        let result = self.exec.wait(&mut r.run, w, until);
         if let Err(e) = &result {
+            self.finish(r, &Err(e.clone()));
+        }
+        result
+    }
+
+    /// Runs `op` on `stream` to completion on this thread.
+    pub(crate) fn run(&mut self, op: &Op, stream: usize) -> Result<(), Error> {
+        let mut r = self.start(op, stream)?;
+        let result = self.exec.run_blocking(&mut r.run);
+        self.finish(&r, &result);
+        result
+    }
+
+    fn finish(&self, r: &Running, result: &Result<(), Error>) {
+        self.recorder
+            .finish(r.run.channel(), r.run.seq(), result, r.started.elapsed());
+        if let Err(e) = result {
             if self.config.dump_on_timeout && !e.is_invalid_argument() {
                 error!("rank {} {}", self.rank, self.recorder.dump());
             }
         }
-        result
     }
 }

@@ -25,17 +25,21 @@ mod id;
 mod job;
 mod probe;
 pub mod recorder;
+mod scope;
+mod streams;
 pub mod tune;
 pub mod wire;
 
 pub use braid_compress;
 pub use braid_core::{Config, DType, DebugLevel, Element, Error, ReduceOp, Result};
 pub use braid_topo;
-pub use comm::{Communicator, Work};
+pub use comm::Communicator;
 pub use compressed::{
     CodecSpec, CompressedPath, CompressedReport, CompressionConfig, GradientCompressor,
 };
 pub use id::UniqueId;
 pub use job::JobEnv;
 pub use recorder::FlightRecord;
+pub use scope::{Scope, ScopedWork};
+pub use streams::{Priority, StreamEvent, Work};
 pub use tune::{Algo, Collective};

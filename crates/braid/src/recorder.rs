@@ -29,7 +29,9 @@ pub enum State {
 /// One collective as the recorder saw it.
 #[derive(Clone, Debug)]
 pub struct FlightRecord {
-    /// Sequence number.
+    /// The stream it ran on (0 carries the blocking calls).
+    pub stream: usize,
+    /// Sequence number on its stream.
     pub seq: u64,
     /// Collective name.
     pub op: &'static str,
@@ -54,10 +56,14 @@ impl fmt::Display for FlightRecord {
             State::Done => "done".to_string(),
             State::Failed(e) => format!("FAILED: {e}"),
         };
+        let at = if self.stream == 0 {
+            format!("#{}", self.seq)
+        } else {
+            format!("s{}#{}", self.stream, self.seq)
+        };
         write!(
             f,
-            "#{:<6} {:<14} count {:<10} {:<8} {:<6} {:>10.1} us  {state}",
-            self.seq,
+            "{at:<7} {:<14} count {:<10} {:<8} {:<6} {:>10.1} us  {state}",
             self.op,
             self.count,
             self.dtype,
@@ -75,12 +81,13 @@ pub struct Recorder {
 }
 
 impl Recorder {
-    pub(crate) fn start(&self, seq: u64, op: &Op, algo: Algo, started: Instant) {
+    pub(crate) fn start(&self, stream: usize, seq: u64, op: &Op, algo: Algo, started: Instant) {
         let mut r = self.records.lock();
         if r.len() == CAPACITY {
             r.pop_front();
         }
         let rec = FlightRecord {
+            stream,
             seq,
             op: op.kind.name(),
             count: op.count,
@@ -93,9 +100,19 @@ impl Recorder {
         r.push_back((started, rec));
     }
 
-    pub(crate) fn finish(&self, seq: u64, result: &Result<(), Error>, elapsed: Duration) {
+    pub(crate) fn finish(
+        &self,
+        stream: usize,
+        seq: u64,
+        result: &Result<(), Error>,
+        elapsed: Duration,
+    ) {
         let mut r = self.records.lock();
-        if let Some((_, rec)) = r.iter_mut().rev().find(|x| x.1.seq == seq) {
+        if let Some((_, rec)) = r
+            .iter_mut()
+            .rev()
+            .find(|x| x.1.seq == seq && x.1.stream == stream)
+        {
             rec.elapsed = elapsed;
             rec.state = match result {
                 Ok(()) => State::Done,
@@ -146,6 +163,7 @@ mod tests {
             rec.records.lock().push_back((
                 Instant::now(),
                 FlightRecord {
+                    stream: 0,
                     seq,
                     op: "all_reduce",
                     count: 4,
@@ -164,7 +182,7 @@ mod tests {
             } else {
                 Err(Error::invalid("x"))
             };
-            rec.finish(seq, &res, Duration::from_micros(3));
+            rec.finish(0, seq, &res, Duration::from_micros(3));
         }
         let snap = rec.snapshot();
         assert_eq!(snap.len(), CAPACITY);

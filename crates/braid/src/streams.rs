@@ -1,0 +1,646 @@
+//! Streams and the progress engine.
+//!
+//! A communicator has `BRAID_STREAMS` streams. Each stream runs its ops in the order they were issued, on
+//! its own channel of every link (so its messages never meet another stream's); streams progress
+//! concurrently, a high-priority stream's ready work first. An op can wait for an event recorded on
+//! another stream, and a work handle can carry a completion callback.
+//!
+//! Whoever holds the scheduler lock makes progress for everyone: a blocking call runs its own op on the
+//! calling thread (straight through, with no hand-off, when nothing else is in flight), and a progress
+//! thread, started on the first asynchronous call, drives the rest. A round polls every stream's current
+//! run in priority order, high-priority runs without a step budget and the others with one, so a long
+//! low-priority all-reduce cannot hold back a small high-priority one for more than a few chunks.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::marker::PhantomData;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use braid_core::Error;
+use braid_exec::{Progress, Wait};
+use braid_transport::AbortHandle;
+use parking_lot::{Condvar, Mutex};
+use tracing::error;
+
+use crate::exec::{Executor, Op, Running};
+
+/// How urgently a stream's work is advanced.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Priority {
+    /// Advanced after the others, a few steps at a time (bulk transfers).
+    Low,
+    /// The default.
+    #[default]
+    Normal,
+    /// Advanced first each round, as far as it goes (latency-bound ops).
+    High,
+}
+
+impl Priority {
+    /// Steps a run of this priority may take per round before the others get a turn.
+    fn budget(self) -> u64 {
+        match self {
+            Priority::High => u64::MAX,
+            Priority::Normal => 64,
+            Priority::Low => 16,
+        }
+    }
+}
+
+/// A point on a stream: everything issued on it before the event was recorded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamEvent {
+    owner: usize,
+    stream: usize,
+    count: u64,
+}
+
+type Callback = Box<dyn FnOnce(&Result<(), Error>) + Send>;
+/// A task that finished, with its result.
+type Finished = (Arc<Task>, Result<(), Error>);
+
+/// One op and what becomes of it.
+pub(crate) struct Task {
+    pub(crate) op: Op,
+    result: Mutex<Option<Result<(), Error>>>,
+    done: Condvar,
+    keep: Mutex<Option<Box<dyn Any + Send>>>,
+    callback: Mutex<Option<Callback>>,
+}
+
+impl Task {
+    pub(crate) fn new(op: Op, keep: Option<Box<dyn Any + Send>>) -> Arc<Task> {
+        Arc::new(Task {
+            op,
+            result: Mutex::new(None),
+            done: Condvar::new(),
+            keep: Mutex::new(keep),
+            callback: Mutex::new(None),
+        })
+    }
+
+    /// Completes a task that never ran.
+    pub(crate) fn fail_now(&self, e: Error) {
+        run_callbacks(self.complete(Err(e)).into_iter().collect());
+    }
+
+    fn is_done(&self) -> bool {
+        self.result.lock().is_some()
+    }
+
+    /// Sets the result and wakes waiters; returns the callback to run (by the caller, with no lock held).
+    fn complete(&self, r: Result<(), Error>) -> Option<(Callback, Result<(), Error>)> {
+        let mut cb = self.callback.lock();
+        *self.result.lock() = Some(r.clone());
+        self.done.notify_all();
+        cb.take().map(|f| (f, r))
+    }
+
+    /// Waits until the task completes or `deadline` passes; `None` on timeout.
+    pub(crate) fn wait_result(&self, deadline: Instant) -> Option<Result<(), Error>> {
+        self.wait_until(deadline)
+    }
+
+    fn wait_until(&self, deadline: Instant) -> Option<Result<(), Error>> {
+        let mut res = self.result.lock();
+        while res.is_none() {
+            if self.done.wait_until(&mut res, deadline).timed_out() && res.is_none() {
+                return None;
+            }
+        }
+        res.clone()
+    }
+}
+
+/// A collective in flight. [`Work::wait`] returns what the op was given (an owned buffer, now holding
+/// the result, or `()`). Dropping a `Work` does not cancel the op; it still runs, in order.
+#[must_use = "a collective's result is only known after wait()"]
+pub struct Work<R> {
+    task: Arc<Task>,
+    rank: usize,
+    limit: Duration,
+    _r: PhantomData<fn() -> R>,
+}
+
+impl<R: 'static> Work<R> {
+    pub(crate) fn new(task: Arc<Task>, rank: usize, limit: Duration) -> Work<R> {
+        Work {
+            task,
+            rank,
+            limit,
+            _r: PhantomData,
+        }
+    }
+
+    /// Whether the op has finished (successfully or not).
+    pub fn test(&self) -> bool {
+        self.task.is_done()
+    }
+
+    /// Calls `f` with the op's result once it completes: at once, on this thread, if it already has;
+    /// otherwise on the thread that completes it (the progress thread, or a blocking caller), which
+    /// should not block in `f`. A second callback replaces the first.
+    pub fn on_complete(&self, f: impl FnOnce(&Result<(), Error>) + Send + 'static) {
+        let mut cb = self.task.callback.lock();
+        let done = self.task.result.lock().clone();
+        match done {
+            Some(r) => {
+                drop(cb);
+                f(&r);
+            }
+            None => *cb = Some(Box::new(f)),
+        }
+    }
+
+    /// Waits for the op and returns its buffer. The wait is bounded: an op cannot outlive the
+    /// communicator's timeout by much, and if it somehow does this returns an error instead of hanging.
+    pub fn wait(self) -> Result<R, Error> {
+        let Some(r) = self.task.wait_until(Instant::now() + self.limit) else {
+            return Err(Error::Poisoned {
+                rank: self.rank,
+                first: format!(
+                    "{} did not complete within {:?}",
+                    self.task.op.kind.name(),
+                    self.limit
+                ),
+            });
+        };
+        r?;
+        let keep = self.task.keep.lock().take();
+        let Some(keep) = keep else {
+            return Err(Error::Internal("a work's buffer was taken twice".into()));
+        };
+        keep.downcast::<R>()
+            .map(|b| *b)
+            .map_err(|_| Error::Internal("a work's buffer has the wrong type".into()))
+    }
+}
+
+/// What a stream's queue holds.
+enum Item {
+    Op(Arc<Task>),
+    /// Wait until `count` ops of `stream` have completed.
+    After {
+        stream: usize,
+        count: u64,
+    },
+}
+
+struct StreamState {
+    queue: VecDeque<Item>,
+    active: Option<(Arc<Task>, Running, Option<Wait>)>,
+    completed: u64,
+    priority: Priority,
+}
+
+/// Everything the lock holder needs.
+pub(crate) struct Sched {
+    pub(crate) exec: Executor,
+    streams: Vec<StreamState>,
+    /// Stream indices, highest priority first.
+    order: Vec<usize>,
+}
+
+impl Sched {
+    fn idle(&self) -> bool {
+        self.streams
+            .iter()
+            .all(|s| s.active.is_none() && s.queue.is_empty())
+    }
+}
+
+/// The streams of one communicator and their progress engine.
+pub(crate) struct Streams {
+    rank: usize,
+    id: usize,
+    pub(crate) sched: Mutex<Sched>,
+    /// Items issued and not yet picked up by a lock holder, with their stream.
+    incoming: Mutex<Incoming>,
+    queued: Condvar,
+    sticky: Mutex<Option<Error>>,
+    maps: Arc<dyn AbortHandle>,
+    shutdown: AtomicBool,
+    progress: Mutex<Option<JoinHandle<()>>>,
+    limit: Duration,
+}
+
+struct Incoming {
+    items: VecDeque<(usize, Item)>,
+    /// Ops issued on each stream so far.
+    issued: Vec<u64>,
+}
+
+/// The longest a lock holder sleeps on one run before looking at the others again.
+const NAP: Duration = Duration::from_micros(500);
+
+impl Streams {
+    pub(crate) fn new(
+        rank: usize,
+        exec: Executor,
+        streams: usize,
+        maps: Arc<dyn AbortHandle>,
+        limit: Duration,
+    ) -> Streams {
+        let streams = streams.max(1);
+        Streams {
+            rank,
+            id: next_id(),
+            sched: Mutex::new(Sched {
+                exec,
+                streams: (0..streams)
+                    .map(|_| StreamState {
+                        queue: VecDeque::new(),
+                        active: None,
+                        completed: 0,
+                        priority: Priority::Normal,
+                    })
+                    .collect(),
+                order: (0..streams).collect(),
+            }),
+            incoming: Mutex::new(Incoming {
+                items: VecDeque::new(),
+                issued: vec![0; streams],
+            }),
+            queued: Condvar::new(),
+            sticky: Mutex::new(None),
+            maps,
+            shutdown: AtomicBool::new(false),
+            progress: Mutex::new(None),
+            limit,
+        }
+    }
+
+    /// Number of streams.
+    pub(crate) fn count(&self) -> usize {
+        self.incoming.lock().issued.len()
+    }
+
+    /// The first error, if the communicator is poisoned.
+    pub(crate) fn sticky(&self) -> Option<Error> {
+        self.sticky.lock().clone()
+    }
+
+    fn poisoned(&self) -> Option<Error> {
+        self.sticky.lock().as_ref().map(|first| Error::Poisoned {
+            rank: self.rank,
+            first: first.to_string(),
+        })
+    }
+
+    /// Records `e` as the communicator's first error (unless it is an argument error) and tells the
+    /// peers.
+    fn fail(&self, e: &Error) {
+        if !e.is_invalid_argument() {
+            error!("{e}");
+            self.sticky.lock().get_or_insert(e.clone());
+            self.maps.fail_and_wake();
+        }
+    }
+
+    fn check_stream(&self, stream: usize) -> Result<(), Error> {
+        let n = self.count();
+        if stream >= n {
+            return Err(Error::invalid(format!(
+                "stream {stream} does not exist (the communicator has {n}; set BRAID_STREAMS for more)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Poisons the communicator with `e` (unless it already is) and wakes everyone.
+    pub(crate) fn abort(&self, e: Error) {
+        self.sticky.lock().get_or_insert(e);
+        self.maps.fail_and_wake();
+        self.queued.notify_all();
+    }
+
+    /// Sets a stream's priority.
+    pub(crate) fn set_priority(&self, stream: usize, p: Priority) -> Result<(), Error> {
+        self.check_stream(stream)?;
+        let mut s = self.sched.lock();
+        s.streams[stream].priority = p;
+        let mut order: Vec<usize> = (0..s.streams.len()).collect();
+        order.sort_by_key(|i| std::cmp::Reverse(s.streams[*i].priority));
+        s.order = order;
+        Ok(())
+    }
+
+    /// A stream's priority.
+    pub(crate) fn priority(&self, stream: usize) -> Result<Priority, Error> {
+        self.check_stream(stream)?;
+        Ok(self.sched.lock().streams[stream].priority)
+    }
+
+    /// An event at the current end of `stream`.
+    pub(crate) fn record(&self, stream: usize) -> Result<StreamEvent, Error> {
+        self.check_stream(stream)?;
+        Ok(StreamEvent {
+            owner: self.id,
+            stream,
+            count: self.incoming.lock().issued[stream],
+        })
+    }
+
+    /// Makes everything issued on `stream` from now on wait for `event`.
+    pub(crate) fn wait_event(&self, stream: usize, event: &StreamEvent) -> Result<(), Error> {
+        self.check_stream(stream)?;
+        if event.owner != self.id {
+            return Err(Error::invalid(
+                "the event was recorded on another communicator's stream",
+            ));
+        }
+        self.incoming.lock().items.push_back((
+            stream,
+            Item::After {
+                stream: event.stream,
+                count: event.count,
+            },
+        ));
+        self.queued.notify_one();
+        Ok(())
+    }
+
+    /// Runs `op` on `stream` and waits for it, on this thread.
+    pub(crate) fn run_blocking(&self, op: Op, stream: usize) -> Result<(), Error> {
+        self.check_stream(stream)?;
+        if let Some(e) = self.poisoned() {
+            return Err(e);
+        }
+        let mut sched = self.sched.lock();
+        {
+            let mut inc = self.incoming.lock();
+            if inc.items.is_empty() && sched.idle() {
+                // Nothing else in flight: straight through, no queue, no hand-off.
+                inc.issued[stream] += 1;
+                drop(inc);
+                let seq = sched.exec.next_seq(stream);
+                let r = catch_unwind(AssertUnwindSafe(|| sched.exec.run(&op, stream)))
+                    .unwrap_or_else(|p| Err(panicked(self.rank, &op, seq, p)));
+                sched.streams[stream].completed += 1;
+                drop(sched);
+                if let Err(e) = &r {
+                    self.fail(e);
+                }
+                return r;
+            }
+        }
+        let task = Task::new(op, None);
+        self.push(stream, Item::Op(task.clone()));
+        let deadline = Instant::now() + self.limit;
+        let mut callbacks = Vec::new();
+        loop {
+            let (progressed, done) = self.round(&mut sched);
+            callbacks.extend(finish_all(done));
+            if task.is_done() {
+                break;
+            }
+            if Instant::now() >= deadline {
+                drop(sched);
+                run_callbacks(callbacks);
+                return Err(Error::Poisoned {
+                    rank: self.rank,
+                    first: format!(
+                        "{} did not complete within {:?}",
+                        task.op.kind.name(),
+                        self.limit
+                    ),
+                });
+            }
+            if !progressed {
+                callbacks.extend(finish_all(self.nap(&mut sched).into_iter().collect()));
+            }
+        }
+        let others = !sched.idle();
+        drop(sched);
+        run_callbacks(callbacks);
+        if others {
+            // Work of other streams was picked up here; the progress thread carries it on.
+            self.queued.notify_one();
+        }
+        task.wait_until(Instant::now())
+            .unwrap_or_else(|| Err(Error::Internal("a finished task has no result".into())))
+    }
+
+    /// Queues `task` on `stream` for the progress thread.
+    pub(crate) fn submit(self: &Arc<Self>, task: Arc<Task>, stream: usize) -> Result<(), Error> {
+        self.check_stream(stream)?;
+        self.push(stream, Item::Op(task));
+        self.ensure_progress_thread()?;
+        self.queued.notify_one();
+        Ok(())
+    }
+
+    fn push(&self, stream: usize, item: Item) {
+        let mut inc = self.incoming.lock();
+        if matches!(item, Item::Op(_)) {
+            inc.issued[stream] += 1;
+        }
+        inc.items.push_back((stream, item));
+    }
+
+    /// One pass over every stream. Returns whether anything moved, and the tasks that finished (to be
+    /// completed once the lock is released, so that callbacks run without it).
+    fn round(&self, s: &mut Sched) -> (bool, Vec<Finished>) {
+        let mut progressed = false;
+        let mut done = Vec::new();
+        {
+            let mut inc = self.incoming.lock();
+            while let Some((stream, item)) = inc.items.pop_front() {
+                s.streams[stream].queue.push_back(item);
+                progressed = true;
+            }
+        }
+        let now = Instant::now();
+        for k in 0..s.order.len() {
+            let si = s.order[k];
+            loop {
+                if s.streams[si].active.is_none() {
+                    match s.streams[si].queue.front() {
+                        None => break,
+                        Some(Item::After { stream, count }) => {
+                            if s.streams.get(*stream).is_none_or(|o| o.completed >= *count) {
+                                s.streams[si].queue.pop_front();
+                                progressed = true;
+                                continue;
+                            }
+                            break;
+                        }
+                        Some(Item::Op(_)) => {}
+                    }
+                    let Some(Item::Op(task)) = s.streams[si].queue.pop_front() else {
+                        break;
+                    };
+                    progressed = true;
+                    if let Some(e) = self.poisoned() {
+                        s.streams[si].completed += 1;
+                        done.push((task, Err(e)));
+                        continue;
+                    }
+                    match s.exec.start(&task.op, si) {
+                        Ok(r) => s.streams[si].active = Some((task, r, None)),
+                        Err(e) => {
+                            self.fail(&e);
+                            s.streams[si].completed += 1;
+                            done.push((task, Err(e)));
+                            continue;
+                        }
+                    }
+                }
+                let budget = s.streams[si].priority.budget();
+                let Sched { exec, streams, .. } = &mut *s;
+                let st = &mut streams[si];
+                let Some((task, run, blocked)) = st.active.as_mut() else {
+                    break;
+                };
+                let seq = run.seq();
+                let r = catch_unwind(AssertUnwindSafe(|| exec.poll(run, now, budget)))
+                    .unwrap_or_else(|p| Err(panicked(self.rank, &task.op, seq, p)));
+                match r {
+                    Ok(Progress::Done) => {}
+                    Ok(Progress::Yielded) => {
+                        *blocked = None;
+                        progressed = true;
+                        break;
+                    }
+                    Ok(Progress::Blocked(w)) => {
+                        progressed |= *blocked != Some(w);
+                        *blocked = Some(w);
+                        break;
+                    }
+                    Err(e) => {
+                        self.fail(&e);
+                        let Some((task, _, _)) = st.active.take() else {
+                            break;
+                        };
+                        st.completed += 1;
+                        done.push((task, Err(e)));
+                        progressed = true;
+                        continue;
+                    }
+                }
+                let Some((task, _, _)) = st.active.take() else {
+                    break;
+                };
+                st.completed += 1;
+                done.push((task, Ok(())));
+                progressed = true;
+            }
+        }
+        (progressed, done)
+    }
+
+    /// Sleeps briefly on what the most urgent blocked run waits for. A wait that fails (the peer died,
+    /// the deadline passed) ends that run with the error; its task is returned to be completed.
+    fn nap(&self, s: &mut Sched) -> Option<Finished> {
+        let until = Instant::now() + NAP;
+        let Sched {
+            exec,
+            streams,
+            order,
+        } = s;
+        for &si in order.iter() {
+            let st = &mut streams[si];
+            let Some((_, run, Some(w))) = st.active.as_mut() else {
+                continue;
+            };
+            let w = *w;
+            if let Err(e) = exec.wait(run, w, until) {
+                self.fail(&e);
+                let (task, _, _) = st.active.take()?;
+                st.completed += 1;
+                return Some((task, Err(e)));
+            }
+            return None;
+        }
+        // Only events between streams are pending: they resolve as other runs complete.
+        std::thread::sleep(Duration::from_micros(50));
+        None
+    }
+
+    fn ensure_progress_thread(self: &Arc<Self>) -> Result<(), Error> {
+        let mut slot = self.progress.lock();
+        if slot.is_some() {
+            return Ok(());
+        }
+        let me = self.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("braid-progress-{}", self.rank))
+            .spawn(move || me.progress_loop())
+            .map_err(|e| Error::io("starting the progress thread", e))?;
+        *slot = Some(handle);
+        Ok(())
+    }
+
+    fn progress_loop(&self) {
+        loop {
+            let idle = self.sched.lock().idle();
+            {
+                let mut inc = self.incoming.lock();
+                if inc.items.is_empty() && idle {
+                    if self.shutdown.load(Ordering::Acquire) {
+                        return;
+                    }
+                    self.queued.wait_for(&mut inc, Duration::from_millis(100));
+                    continue;
+                }
+            }
+            let mut sched = self.sched.lock();
+            let (progressed, mut done) = self.round(&mut sched);
+            if !progressed && !sched.idle() {
+                done.extend(self.nap(&mut sched));
+            }
+            drop(sched);
+            run_callbacks(finish_all(done));
+        }
+    }
+
+    /// Stops the progress thread once every queued op has run (each is bounded by the timeout).
+    pub(crate) fn shut_down(&self) {
+        self.shutdown.store(true, Ordering::Release);
+        self.queued.notify_all();
+        if let Some(h) = self.progress.lock().take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// Completes tasks; returns their callbacks.
+#[must_use]
+fn finish_all(done: Vec<Finished>) -> Vec<(Callback, Result<(), Error>)> {
+    done.into_iter()
+        .filter_map(|(task, r)| task.complete(r))
+        .collect()
+}
+
+/// Runs completion callbacks; a panicking one must not take the progress thread down with it.
+fn run_callbacks(cbs: Vec<(Callback, Result<(), Error>)>) {
+    for (f, r) in cbs {
+        let _ = catch_unwind(AssertUnwindSafe(|| f(&r)));
+    }
+}
+
+/// A panic inside the executor as an error that poisons the communicator.
+fn panicked(rank: usize, op: &Op, seq: u64, p: Box<dyn Any + Send>) -> Error {
+    let msg = p
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned());
+    Error::Poisoned {
+        rank,
+        first: format!(
+            "internal error in {} #{seq}: {}",
+            op.kind.name(),
+            msg.unwrap_or_default()
+        ),
+    }
+}
+
+/// A process-unique number for each communicator (events name theirs).
+fn next_id() -> usize {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
