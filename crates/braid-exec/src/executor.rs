@@ -11,7 +11,7 @@
 //! engine queues one, the post or release that depends on it waits in the run until the engine says the
 //! kernel completed, so a slot goes back to its sender only once nothing reads it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -126,7 +126,7 @@ struct PlanKey {
     chunk: usize,
 }
 
-/// Plans kept; past this the cache starts over (steady training loops use a handful).
+/// Plans kept; past this the least recently used goes (steady training loops use a handful).
 const PLAN_CACHE: usize = 32;
 
 /// A post or release that waits for a kernel.
@@ -153,7 +153,8 @@ pub struct Run {
     seq: u64,
     tag: u32,
     channel: usize,
-    plan: Arc<Plan>,
+    /// `None` only while the executor walks it.
+    plan: Option<Arc<Plan>>,
     phase: Phase,
     pc: usize,
     stage: u8,
@@ -220,7 +221,8 @@ pub struct Executor {
     engine: Box<dyn Engine>,
     abort: Arc<AtomicBool>,
     hosts: Vec<Vec<usize>>,
-    plans: HashMap<PlanKey, Arc<Plan>>,
+    /// Recently used plans, most recent first.
+    plans: Vec<(PlanKey, Arc<Plan>)>,
     spare_scratch: Vec<Scratch>,
     spare_rx: Vec<Vec<Option<RecvSlot>>>,
     srcs: Vec<Operand>,
@@ -257,7 +259,7 @@ impl Executor {
             engine,
             abort,
             hosts: Vec::new(),
-            plans: HashMap::new(),
+            plans: Vec::new(),
             spare_scratch: Vec::new(),
             spare_rx: Vec::new(),
             srcs: Vec::new(),
@@ -307,8 +309,12 @@ impl Executor {
             count: op.count,
             chunk: self.chunk(op.dtype),
         };
-        if let Some(p) = self.plans.get(&key) {
-            return p.clone();
+        if let Some(i) = self.plans.iter().position(|(k, _)| *k == key) {
+            if i > 0 {
+                let hit = self.plans.remove(i);
+                self.plans.insert(0, hit);
+            }
+            return self.plans[0].1.clone();
         }
         let actions = if op.count == 0 && op.collective != Collective::Barrier {
             Vec::new()
@@ -325,11 +331,9 @@ impl Executor {
                 channels: self.settings.rings,
             })
         };
-        if self.plans.len() >= PLAN_CACHE {
-            self.plans.clear();
-        }
+        self.plans.truncate(PLAN_CACHE - 1);
         let plan = Arc::new(Plan::new(actions));
-        self.plans.insert(key, plan.clone());
+        self.plans.insert(0, (key, plan.clone()));
         plan
     }
 
@@ -371,7 +375,7 @@ impl Executor {
             seq,
             tag: seq as u32,
             channel,
-            plan,
+            plan: Some(plan),
             phase: if check {
                 Phase::Check { sent: 0, recvd: 0 }
             } else {
@@ -532,7 +536,8 @@ impl Executor {
 
     /// Runs `run` to the end on this thread, sleeping on the link or the engine between polls.
     pub fn run_blocking(&mut self, run: &mut Run) -> Result<(), Error> {
-        let mut now = run.started;
+        // The waits below enforce the deadline themselves; no clock is read on this path.
+        let now = run.started;
         loop {
             match self.poll(run, now)? {
                 Progress::Done => return Ok(()),
@@ -560,7 +565,6 @@ impl Executor {
                     }
                 }
             }
-            now = Instant::now();
         }
     }
 
@@ -579,10 +583,47 @@ impl Executor {
         }
     }
 
+    /// Walks the plan from the run's position: `Some` when it blocks or yields, `None` at the end.
+    fn walk(
+        &mut self,
+        run: &mut Run,
+        plan: &Plan,
+        first: u64,
+        budget: u64,
+    ) -> Result<Option<Progress>, Error> {
+        let link = self.link.as_deref();
+        while let Some(a) = plan.actions.get(run.pc) {
+            let wait = match link {
+                Some(link) => {
+                    let mut cx = Cx {
+                        rank: self.rank,
+                        world: self.world,
+                        link,
+                        engine: &mut *self.engine,
+                        abort: &self.abort,
+                        srcs: &mut self.srcs,
+                    };
+                    cx.step(run, a)?
+                }
+                None => local_step(&mut *self.engine, run, a)?,
+            };
+            if let Some(w) = wait {
+                return self.blocked(run, w).map(Some);
+            }
+            run.pc += 1;
+            run.stage = 0;
+            run.steps += 1;
+            if run.steps - first >= budget && run.pc < plan.actions.len() {
+                return Ok(Some(Progress::Yielded));
+            }
+        }
+        Ok(None)
+    }
+
     /// A run that cannot go on waits for `w`, unless posts are held back for kernels: what this rank
     /// waits for may depend on them, so then the engine is what to wait on.
     fn blocked(&mut self, run: &mut Run, w: Wait) -> Result<Progress, Error> {
-        if let Some(link) = self.link.as_deref() {
+        if let (Some(link), false) = (self.link.as_deref(), run.deferred.is_empty()) {
             flush(&mut *self.engine, link, self.rank, &self.abort, run)?;
         }
         match run.deferred.front() {
@@ -592,12 +633,11 @@ impl Executor {
     }
 
     fn advance(&mut self, run: &mut Run, budget: u64) -> Result<Progress, Error> {
-        let link = self.link.as_deref();
         let first = run.steps;
         loop {
             match run.phase {
                 Phase::Check { .. } => {
-                    let Some(link) = link else {
+                    let Some(link) = self.link.as_deref() else {
                         run.phase = Phase::Plan;
                         continue;
                     };
@@ -618,36 +658,20 @@ impl Executor {
                     run.phase = Phase::Plan;
                 }
                 Phase::Plan => {
-                    let plan = run.plan.clone();
-                    while let Some(a) = plan.actions.get(run.pc) {
-                        let wait = match link {
-                            Some(link) => {
-                                let mut cx = Cx {
-                                    rank: self.rank,
-                                    world: self.world,
-                                    link,
-                                    engine: &mut *self.engine,
-                                    abort: &self.abort,
-                                    srcs: &mut self.srcs,
-                                };
-                                cx.step(run, a)?
-                            }
-                            None => local_step(&mut *self.engine, run, a)?,
-                        };
-                        if let Some(w) = wait {
-                            return self.blocked(run, w);
-                        }
-                        run.pc += 1;
-                        run.stage = 0;
-                        run.steps += 1;
-                        if run.steps - first >= budget && run.pc < plan.actions.len() {
-                            return Ok(Progress::Yielded);
-                        }
+                    // The plan is taken out of the run while it is walked (no reference count
+                    // traffic on the hot path) and always put back.
+                    let Some(plan) = run.plan.take() else {
+                        return Err(Error::Internal("a run without its plan".into()));
+                    };
+                    let r = self.walk(run, &plan, first, budget);
+                    run.plan = Some(plan);
+                    if let Some(p) = r? {
+                        return Ok(p);
                     }
                     run.phase = Phase::Drain;
                 }
                 Phase::Drain => {
-                    if let Some(link) = link {
+                    if let Some(link) = self.link.as_deref() {
                         flush(&mut *self.engine, link, self.rank, &self.abort, run)?;
                     }
                     if let Some((t, _)) = run.deferred.front() {
@@ -717,7 +741,9 @@ fn same(run: &Run, i: &Range<usize>, o: &Range<usize>) -> bool {
 }
 
 fn submit(engine: &mut dyn Engine, run: &mut Run, k: &Kernel<'_>) -> Result<(), Error> {
-    check_kinds(engine, k)?;
+    // Every span was checked where it entered the run: the op's buffers at start, slots when reserved
+    // or received, scratch from the engine itself.
+    debug_assert!(check_kinds(engine, k).is_ok(), "{k:?}");
     // SAFETY: the op's spans are valid until the run completes (their creator's promise); slot spans
     // are valid while the run holds the slot, which it does until the kernel completes (posts and
     // releases wait for it); scratch is the run's own. Destinations never overlap operands: the
@@ -852,6 +878,11 @@ impl Cx<'_> {
             return Ok(true);
         }
         match self.link.try_reserve(peer, run.channel, &self.ctx(run))? {
+            Some(s) if !self.engine.accepts(s.span().kind()) => Err(Error::Internal(format!(
+                "a slot at rank {peer} is {}, which the {} engine cannot write",
+                s.span().kind().describe(),
+                self.engine.name()
+            ))),
             Some(s) => {
                 run.tx = Some(s);
                 Ok(true)
@@ -914,6 +945,10 @@ impl Cx<'_> {
     }
 
     fn settle(&mut self, run: &mut Run, d: Deferred) -> Result<(), Error> {
+        if run.pending.is_none() && run.deferred.is_empty() {
+            // Every kernel so far has completed (the CPU engine's always have).
+            return do_deferred(self.link, &run_ctx(self.rank, self.abort, run), run.tag, d);
+        }
         if let Some(t) = run.pending {
             if !self.engine.complete(t)? {
                 run.deferred.push_back((t, d));

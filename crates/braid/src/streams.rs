@@ -216,6 +216,10 @@ impl Sched {
 /// The streams of one communicator and their progress engine.
 pub(crate) struct Streams {
     rank: usize,
+    /// Number of streams.
+    count: usize,
+    /// Set once `sticky` holds an error (read without the lock on the hot path).
+    poisoned: AtomicBool,
     id: usize,
     pub(crate) sched: Mutex<Sched>,
     /// Items issued and not yet picked up by a lock holder, with their stream.
@@ -248,6 +252,8 @@ impl Streams {
         let streams = streams.max(1);
         Streams {
             rank,
+            count: streams,
+            poisoned: AtomicBool::new(false),
             id: next_id(),
             sched: Mutex::new(Sched {
                 exec,
@@ -276,7 +282,7 @@ impl Streams {
 
     /// Number of streams.
     pub(crate) fn count(&self) -> usize {
-        self.incoming.lock().issued.len()
+        self.count
     }
 
     /// The first error, if the communicator is poisoned.
@@ -285,6 +291,9 @@ impl Streams {
     }
 
     fn poisoned(&self) -> Option<Error> {
+        if !self.poisoned.load(Ordering::Acquire) {
+            return None;
+        }
         self.sticky.lock().as_ref().map(|first| Error::Poisoned {
             rank: self.rank,
             first: first.to_string(),
@@ -297,6 +306,7 @@ impl Streams {
         if !e.is_invalid_argument() {
             error!("{e}");
             self.sticky.lock().get_or_insert(e.clone());
+            self.poisoned.store(true, Ordering::Release);
             self.maps.fail_and_wake();
         }
     }
@@ -314,6 +324,7 @@ impl Streams {
     /// Poisons the communicator with `e` (unless it already is) and wakes everyone.
     pub(crate) fn abort(&self, e: Error) {
         self.sticky.lock().get_or_insert(e);
+        self.poisoned.store(true, Ordering::Release);
         self.maps.fail_and_wake();
         self.queued.notify_all();
     }
