@@ -703,34 +703,28 @@ fn out_of_bounds(what: &str, r: &Range<usize>, es: usize, len: usize) -> Error {
     ))
 }
 
+/// Elements `r` of `span` at `size` bytes each.
+fn view(span: &Span, what: &str, r: &Range<usize>, size: usize) -> Result<Span, Error> {
+    let (a, b) = bytes(r, size);
+    span.sub(a, b)
+        .ok_or_else(|| out_of_bounds(what, r, size, span.len()))
+}
+
 fn input(run: &Run, r: &Range<usize>) -> Result<Span, Error> {
-    let es = run.op.dtype.size();
-    let (a, b) = bytes(r, es);
-    run.op
-        .send
-        .sub(a, b)
-        .ok_or_else(|| out_of_bounds("input", r, es, run.op.send.len()))
+    view(&run.op.send, "input", r, run.op.dtype.size())
 }
 
 fn output(run: &Run, r: &Range<usize>) -> Result<Span, Error> {
-    let es = run.op.dtype.size();
-    let (a, b) = bytes(r, es);
-    run.op
-        .recv
-        .sub(a, b)
-        .ok_or_else(|| out_of_bounds("output", r, es, run.op.recv.len()))
+    view(&run.op.recv, "output", r, run.op.dtype.size())
 }
 
 fn scratch(run: &Run, r: &Range<usize>) -> Result<Span, Error> {
-    let acc = run.op.dtype.accumulator().size();
-    let (a, b) = bytes(r, acc);
     let s = run
         .scratch
         .as_ref()
         .map(Scratch::span)
         .ok_or_else(|| Error::Internal("a schedule used scratch it did not ask for".into()))?;
-    s.sub(a, b)
-        .ok_or_else(|| out_of_bounds("scratch", r, acc, s.len()))
+    view(&s, "scratch", r, run.op.dtype.accumulator().size())
 }
 
 /// Whether `input[i]` and `output[o]` are the same bytes (in place).
@@ -1039,20 +1033,11 @@ impl Cx<'_> {
         match a {
             Action::Copy { .. } => local_step(&mut *self.engine, run, a),
             Action::Send { to, buf, range } => {
-                if !self.reserve(run, *to)? {
-                    return Ok(Some(credit(*to, run)));
-                }
                 let src = match buf {
                     Buf::Input => input(run, range)?,
                     Buf::Output => output(run, range)?,
                 };
-                let k = Kernel::Copy {
-                    dst: self.out_slot(run, src.len())?,
-                    src,
-                };
-                self.kernel(run, &k)?;
-                self.post(run, src.len())?;
-                Ok(None)
+                self.send_copy(run, *to, src)
             }
             Action::SendAcc { to, range } => {
                 if !self.reserve(run, *to)? {
@@ -1167,17 +1152,8 @@ impl Cx<'_> {
                 Ok(None)
             }
             Action::SendScratch { to, range } => {
-                if !self.reserve(run, *to)? {
-                    return Ok(Some(credit(*to, run)));
-                }
                 let src = scratch(run, range)?;
-                let k = Kernel::Copy {
-                    dst: self.out_slot(run, src.len())?,
-                    src,
-                };
-                self.kernel(run, &k)?;
-                self.post(run, src.len())?;
-                Ok(None)
+                self.send_copy(run, *to, src)
             }
             Action::FinishScratch { range, nranks } => {
                 let k = Kernel::FinishAcc {
@@ -1240,13 +1216,20 @@ impl Cx<'_> {
 
     /// Sends `output[or]` on to `forward`, if any (the second stage of a receive-and-forward).
     fn forward(&mut self, run: &mut Run, forward: Option<usize>, or: &Range<usize>) -> Step {
-        let Some(to) = forward else {
-            return Ok(None);
-        };
+        match forward {
+            Some(to) => {
+                let src = output(run, or)?;
+                self.send_copy(run, to, src)
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// Sends a copy of `src` to `to` (once there is a credit).
+    fn send_copy(&mut self, run: &mut Run, to: usize, src: Span) -> Step {
         if !self.reserve(run, to)? {
             return Ok(Some(credit(to, run)));
         }
-        let src = output(run, or)?;
         let k = Kernel::Copy {
             dst: self.out_slot(run, src.len())?,
             src,

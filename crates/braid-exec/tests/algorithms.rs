@@ -6,24 +6,9 @@ mod common;
 use braid_core::{DType, ReduceOp};
 use braid_exec::sim;
 use braid_sched::cost::{all_reduce_cost, all_reduce_traffic, LinkCost};
-use braid_sched::{direct, plan, tree, Action, Algo, Collective, PlanSpec};
+use braid_sched::{direct, tree, Action, Algo};
 use common::*;
 use proptest::prelude::*;
-
-/// The flat all-reduce schedule `algo`.
-fn all_reduce(algo: Algo, world: usize, rank: usize, count: usize, chunk: usize) -> Vec<Action> {
-    plan(&PlanSpec {
-        collective: Collective::AllReduce,
-        root: 0,
-        algo,
-        world,
-        rank,
-        count,
-        chunk,
-        hosts: &[],
-        channels: 1,
-    })
-}
 
 /// Every message fits in one slot of `chunk` elements.
 fn messages_fit(p: &[Vec<Action>], chunk: usize) -> bool {
@@ -48,7 +33,7 @@ proptest! {
         chunk in 1usize..40, depth in 2usize..=4, seed in any::<u64>(), algo in prop::sample::select(vec![Algo::Tree, Algo::Rhd])) {
         let ins = exact_inputs(dtype, op, world, count, seed);
         let want = reference(dtype, op, &ins);
-        let p = plans(world, |r| all_reduce(algo, world, r, count, chunk));
+        let p = all_reduce_plans(algo, world, count, chunk);
         prop_assert!(messages_fit(&p, chunk));
         let out = sim::run(&p, dtype, op, &ins, count, depth).unwrap();
         for o in &out.outputs {
@@ -61,7 +46,7 @@ proptest! {
         chunk in 1usize..40, seed in any::<u64>(), algo in prop::sample::select(vec![Algo::Tree, Algo::Rhd]),
         op in prop::sample::select(vec![ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Prod, ReduceOp::Max])) {
         let ins = arbitrary_f32(world, count, seed);
-        let p = plans(world, |r| all_reduce(algo, world, r, count, chunk));
+        let p = all_reduce_plans(algo, world, count, chunk);
         let out = sim::run(&p, DType::F32, op, &ins, count, 2).unwrap();
         for o in &out.outputs[1..] {
             prop_assert_eq!(o, &out.outputs[0]);
@@ -164,7 +149,7 @@ fn every_world_and_small_counts() {
                 let ins = exact_inputs(dtype, op, world, count, (world * 1000 + count) as u64);
                 let want = reference(dtype, op, &ins);
                 for algo in [Algo::Tree, Algo::Rhd] {
-                    let p = plans(world, |r| all_reduce(algo, world, r, count, chunk));
+                    let p = all_reduce_plans(algo, world, count, chunk);
                     let out = sim::run(&p, dtype, op, &ins, count, 2)
                         .unwrap_or_else(|e| panic!("{algo} world {world} count {count}: {e}"));
                     assert!(
@@ -193,7 +178,7 @@ fn traffic_matches_the_simulator() {
         let (es, acc) = (dtype.size(), dtype.accumulator().size());
         let ins = exact_inputs(dtype, ReduceOp::Sum, world, count, 1);
         for algo in [Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Direct] {
-            let p = plans(world, |r| all_reduce(algo, world, r, count, chunk));
+            let p = all_reduce_plans(algo, world, count, chunk);
             let out = sim::run(&p, dtype, ReduceOp::Sum, &ins, count, 2).unwrap();
             for r in 0..world {
                 let (m, b) = all_reduce_traffic(algo, world, r, count, es, acc, chunk);
@@ -278,7 +263,7 @@ fn cost_model_ranks_algorithms() {
 fn world_of_one_is_a_copy() {
     for algo in [Algo::Tree, Algo::Rhd] {
         assert_eq!(
-            all_reduce(algo, 1, 0, 5, 2),
+            all_reduce_plans(algo, 1, 5, 2).remove(0),
             vec![Action::Copy {
                 src: 0..5,
                 dst: 0..5

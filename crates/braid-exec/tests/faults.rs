@@ -8,25 +8,9 @@ use std::time::Duration;
 
 use braid_core::{DType, Error, ReduceOp};
 use braid_exec::sim::{self, Fault, Job};
-use braid_sched::{plan, Action, Algo, Collective, PlanSpec};
+use braid_sched::{Action, Algo};
 use common::*;
 use proptest::prelude::*;
-
-fn all_reduce(algo: Algo, world: usize, count: usize, chunk: usize) -> Vec<Vec<Action>> {
-    plans(world, |rank| {
-        plan(&PlanSpec {
-            collective: Collective::AllReduce,
-            root: 0,
-            algo,
-            world,
-            rank,
-            count,
-            chunk,
-            hosts: &[],
-            channels: 1,
-        })
-    })
-}
 
 fn flat_algos() -> impl Strategy<Value = Algo> {
     prop::sample::select(vec![Algo::Ring, Algo::Tree, Algo::Rhd, Algo::Direct])
@@ -67,7 +51,7 @@ proptest! {
         let victim = victim.index(world);
         let ins = exact_inputs(DType::I32, ReduceOp::Sum, world, count, seed);
         let want = reference(DType::I32, ReduceOp::Sum, &ins);
-        let p = all_reduce(algo, world, count, chunk);
+        let p = all_reduce_plans(algo, world, count, chunk);
         let mut job = Job::new(&p, DType::I32, ReduceOp::Sum, &ins, count, 2);
         job.faults = vec![Fault::Kill { rank: victim, after }];
         let report = sim::simulate(&job).expect("a fault never looks like a deadlock");
@@ -92,7 +76,7 @@ proptest! {
         let victim = victim.index(world);
         let ins = exact_inputs(DType::F32, ReduceOp::Max, world, count, seed);
         let want = reference(DType::F32, ReduceOp::Max, &ins);
-        let p = all_reduce(algo, world, count, chunk);
+        let p = all_reduce_plans(algo, world, count, chunk);
         let mut job = Job::new(&p, DType::F32, ReduceOp::Max, &ins, count, 2);
         job.timeout = Duration::from_millis(300);
         job.faults = vec![Fault::Stall { rank: victim, after }];
@@ -117,7 +101,7 @@ proptest! {
         chunk in 1usize..40, micros in 1u64..500, seed in any::<u64>()) {
         let ins = exact_inputs(DType::I64, ReduceOp::Sum, world, count, seed);
         let want = reference(DType::I64, ReduceOp::Sum, &ins);
-        let p = all_reduce(algo, world, count, chunk);
+        let p = all_reduce_plans(algo, world, count, chunk);
         let mut job = Job::new(&p, DType::I64, ReduceOp::Sum, &ins, count, 2);
         job.latency = Duration::from_micros(micros);
         let report = sim::simulate(&job).unwrap();

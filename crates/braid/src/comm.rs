@@ -926,23 +926,22 @@ impl Communicator {
 
     /// Enqueues a barrier.
     pub fn barrier_async(&self) -> Work<()> {
-        // SAFETY: a barrier touches no buffer.
-        let op = unsafe {
-            Op::new(
-                Kind::Barrier,
-                DType::U8,
-                ReduceOp::Sum,
-                0,
-                std::ptr::null(),
-                0,
-                std::ptr::null_mut(),
-                0,
-            )
-        };
-        self.submit(op, Box::new(()))
+        self.submit(Op::barrier(), Box::new(()))
     }
 
     fn submit_owned<T: Element>(&self, kind: Kind, redop: ReduceOp, buf: Vec<T>) -> Work<Vec<T>> {
+        self.submit_owned_on(0, kind, redop, buf)
+            .unwrap_or_else(|e| self.failed_work(e))
+    }
+
+    /// Queues `kind` in place on an owned buffer on `stream`.
+    pub(crate) fn submit_owned_on<T: Element>(
+        &self,
+        stream: usize,
+        kind: Kind,
+        redop: ReduceOp,
+        buf: Vec<T>,
+    ) -> Result<Work<Vec<T>>, Error> {
         let mut boxed = Box::new(buf);
         let len = boxed.len() * T::DTYPE.size();
         let count = boxed.len();
@@ -950,7 +949,7 @@ impl Communicator {
         // SAFETY: the vector's heap buffer is owned by the task until it completes (moving the box does
         // not move the heap buffer) and nobody else touches it meanwhile.
         let op = unsafe { Op::new(kind, T::DTYPE, redop, count, ptr, len, ptr, len) };
-        self.submit(op, boxed)
+        self.submit_on(stream, op, boxed)
     }
 
     fn submit<R: Send + 'static>(&self, op: Op, keep: Box<R>) -> Work<R> {
@@ -972,20 +971,7 @@ impl Communicator {
 
     /// A work handle that already holds `e` (a submission that could not be queued).
     fn failed_work<R: Send + 'static>(&self, e: Error) -> Work<R> {
-        // SAFETY: a barrier touches no buffer.
-        let op = unsafe {
-            Op::new(
-                Kind::Barrier,
-                DType::U8,
-                ReduceOp::Sum,
-                0,
-                std::ptr::null(),
-                0,
-                std::ptr::null_mut(),
-                0,
-            )
-        };
-        let task = Task::new(op, None);
+        let task = Task::new(Op::barrier(), None);
         task.fail_now(e);
         Work::new(task, self.inner.rank, Duration::ZERO)
     }

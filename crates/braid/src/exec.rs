@@ -103,6 +103,25 @@ impl Op {
     }
 }
 
+impl Op {
+    /// A barrier: no buffers.
+    pub(crate) fn barrier() -> Op {
+        // SAFETY: no memory at all (null with zero lengths).
+        unsafe {
+            Op::new(
+                Kind::Barrier,
+                DType::U8,
+                ReduceOp::Sum,
+                0,
+                std::ptr::null(),
+                0,
+                std::ptr::null_mut(),
+                0,
+            )
+        }
+    }
+}
+
 // SAFETY: an `Op` is a description of buffers whose validity its creator guarantees until the op
 // completes, whichever thread runs it (see `Op::new`).
 unsafe impl Send for Op {}

@@ -54,19 +54,12 @@ impl Communicator {
         buf: Vec<T>,
         op: ReduceOp,
     ) -> Result<Work<Vec<T>>, Error> {
-        let mut boxed = Box::new(buf);
-        let len = boxed.len() * T::DTYPE.size();
-        let count = boxed.len();
-        let ptr = boxed.as_mut_ptr() as *mut u8;
-        // SAFETY: the vector's heap buffer is owned by the task until it completes (moving the box does
-        // not move the heap buffer) and nobody else touches it meanwhile.
-        let op = unsafe { Op::new(Kind::AllReduce, T::DTYPE, op, count, ptr, len, ptr, len) };
-        self.submit_on(stream, op, boxed)
+        self.submit_owned_on(stream, Kind::AllReduce, op, buf)
     }
 
     /// Enqueues a barrier on `stream`.
     pub fn barrier_async_on(&self, stream: usize) -> Result<Work<()>, Error> {
-        self.submit_on(stream, barrier_op(), Box::new(()))
+        self.submit_on(stream, Op::barrier(), Box::new(()))
     }
 
     /// Enqueues an all-reduce of `len` bytes of `dtype` elements from `send` into `recv` (which may be
@@ -186,22 +179,6 @@ impl Communicator {
     }
 }
 
-fn barrier_op() -> Op {
-    // SAFETY: a barrier touches no buffer.
-    unsafe {
-        Op::new(
-            Kind::Barrier,
-            DType::U8,
-            ReduceOp::Sum,
-            0,
-            std::ptr::null(),
-            0,
-            std::ptr::null_mut(),
-            0,
-        )
-    }
-}
-
 /// Collectives on borrowed buffers; see [`Communicator::scope`].
 pub struct Scope<'scope, 'env: 'scope> {
     comm: &'env Communicator,
@@ -284,6 +261,21 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         self.start(stream, op)
     }
 
+    /// Starts `kind` in place on `buf`.
+    fn in_place<T: Element>(
+        &'scope self,
+        stream: usize,
+        kind: Kind,
+        buf: &'env mut [T],
+        op: ReduceOp,
+    ) -> Result<ScopedWork<'scope>, Error> {
+        let len = std::mem::size_of_val(buf);
+        let p = buf.as_mut_ptr() as *mut u8;
+        // SAFETY: as in `all_reduce`, with one buffer.
+        let op = unsafe { Op::new(kind, T::DTYPE, op, buf.len(), p, len, p, len) };
+        self.start(stream, op)
+    }
+
     /// All-reduce `buf` in place on `stream`.
     pub fn all_reduce_in_place<T: Element>(
         &'scope self,
@@ -291,11 +283,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         buf: &'env mut [T],
         op: ReduceOp,
     ) -> Result<ScopedWork<'scope>, Error> {
-        let len = std::mem::size_of_val(buf);
-        let p = buf.as_mut_ptr() as *mut u8;
-        // SAFETY: as in `all_reduce`, with one buffer.
-        let op = unsafe { Op::new(Kind::AllReduce, T::DTYPE, op, buf.len(), p, len, p, len) };
-        self.start(stream, op)
+        self.in_place(stream, Kind::AllReduce, buf, op)
     }
 
     /// Broadcast `buf` from `root` in place on `stream`.
@@ -311,27 +299,12 @@ impl<'scope, 'env> Scope<'scope, 'env> {
                 self.comm.inner.world
             )));
         }
-        let len = std::mem::size_of_val(buf);
-        let p = buf.as_mut_ptr() as *mut u8;
-        // SAFETY: as in `all_reduce`, with one buffer.
-        let op = unsafe {
-            Op::new(
-                Kind::Broadcast { root },
-                T::DTYPE,
-                ReduceOp::Sum,
-                buf.len(),
-                p,
-                len,
-                p,
-                len,
-            )
-        };
-        self.start(stream, op)
+        self.in_place(stream, Kind::Broadcast { root }, buf, ReduceOp::Sum)
     }
 
     /// A barrier on `stream`.
     pub fn barrier(&'scope self, stream: usize) -> Result<ScopedWork<'scope>, Error> {
-        self.start(stream, barrier_op())
+        self.start(stream, Op::barrier())
     }
 
     /// Waits for every collective of the scope; see [`Communicator::scope`].

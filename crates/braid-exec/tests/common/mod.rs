@@ -79,3 +79,25 @@ pub fn worlds() -> impl Strategy<Value = usize> {
 pub fn plans(world: usize, f: impl Fn(usize) -> Vec<Action>) -> Vec<Vec<Action>> {
     (0..world).map(f).collect()
 }
+
+/// Every rank's flat all-reduce schedule of `algo`.
+pub fn all_reduce_plans(
+    algo: braid_sched::Algo,
+    world: usize,
+    count: usize,
+    chunk: usize,
+) -> Vec<Vec<Action>> {
+    plans(world, |rank| {
+        braid_sched::plan(&braid_sched::PlanSpec {
+            collective: braid_sched::Collective::AllReduce,
+            root: 0,
+            algo,
+            world,
+            rank,
+            count,
+            chunk,
+            hosts: &[],
+            channels: 1,
+        })
+    })
+}
