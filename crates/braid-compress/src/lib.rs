@@ -33,6 +33,7 @@ mod error;
 mod feedback;
 pub mod rng;
 mod select;
+mod spec;
 pub mod wire;
 
 pub use codec::cast::Cast;
@@ -46,4 +47,5 @@ pub use feedback::{
     l2_norm, warnings, ErrorFeedback, Staleness, StalenessHistogram, Stats, ADAPTIVE_MIN_DENSITY,
     LAGGING_MIN_DENSITY, STALENESS_BUCKETS,
 };
+pub use spec::{build_codec, BoxedCodec, CodecSpec};
 pub use wire::{Compressed, Payload};
