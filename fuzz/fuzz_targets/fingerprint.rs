@@ -1,8 +1,8 @@
-//! Bytes a peer wrote into shared memory as a collective's fingerprint: decoding must never panic and
+//! Bytes a peer sent as a collective's fingerprint: decoding must never panic and
 //! must round-trip whatever it accepts.
 #![no_main]
 
-use braid::wire::Fingerprint;
+use braid_exec::Fingerprint;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -15,7 +15,7 @@ use std::any::Any;
 use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use braid_core::Error;
 use braid_exec::{Progress, Wait};
 use braid_transport::AbortHandle;
+use crossbeam_queue::SegQueue;
 use parking_lot::{Condvar, Mutex};
 use tracing::error;
 
@@ -222,20 +223,18 @@ pub(crate) struct Streams {
     poisoned: AtomicBool,
     id: usize,
     pub(crate) sched: Mutex<Sched>,
-    /// Items issued and not yet picked up by a lock holder, with their stream.
-    incoming: Mutex<Incoming>,
+    /// Items issued and not yet picked up by a lock holder, with their stream (lock-free).
+    incoming: SegQueue<(usize, Item)>,
+    /// Ops issued on each stream so far.
+    issued: Vec<AtomicU64>,
+    /// Where the progress thread sleeps when there is nothing to do, and the signal that wakes it.
+    sleep: Mutex<()>,
     queued: Condvar,
     sticky: Mutex<Option<Error>>,
     maps: Arc<dyn AbortHandle>,
     shutdown: AtomicBool,
     progress: Mutex<Option<JoinHandle<()>>>,
     limit: Duration,
-}
-
-struct Incoming {
-    items: VecDeque<(usize, Item)>,
-    /// Ops issued on each stream so far.
-    issued: Vec<u64>,
 }
 
 /// The longest a lock holder sleeps on one run before looking at the others again.
@@ -267,10 +266,9 @@ impl Streams {
                     .collect(),
                 order: (0..streams).collect(),
             }),
-            incoming: Mutex::new(Incoming {
-                items: VecDeque::new(),
-                issued: vec![0; streams],
-            }),
+            incoming: SegQueue::new(),
+            issued: (0..streams).map(|_| AtomicU64::new(0)).collect(),
+            sleep: Mutex::new(()),
             queued: Condvar::new(),
             sticky: Mutex::new(None),
             maps,
@@ -326,6 +324,7 @@ impl Streams {
         self.sticky.lock().get_or_insert(e);
         self.poisoned.store(true, Ordering::Release);
         self.maps.fail_and_wake();
+        let _guard = self.sleep.lock();
         self.queued.notify_all();
     }
 
@@ -352,7 +351,7 @@ impl Streams {
         Ok(StreamEvent {
             owner: self.id,
             stream,
-            count: self.incoming.lock().issued[stream],
+            count: self.issued[stream].load(Ordering::Acquire),
         })
     }
 
@@ -364,14 +363,14 @@ impl Streams {
                 "the event was recorded on another communicator's stream",
             ));
         }
-        self.incoming.lock().items.push_back((
+        self.push(
             stream,
             Item::After {
                 stream: event.stream,
                 count: event.count,
             },
-        ));
-        self.queued.notify_one();
+        );
+        self.wake();
         Ok(())
     }
 
@@ -383,11 +382,9 @@ impl Streams {
         }
         let mut sched = self.sched.lock();
         {
-            let mut inc = self.incoming.lock();
-            if inc.items.is_empty() && sched.idle() {
+            if self.incoming.is_empty() && sched.idle() {
                 // Nothing else in flight: straight through, no queue, no hand-off.
-                inc.issued[stream] += 1;
-                drop(inc);
+                self.issued[stream].fetch_add(1, Ordering::AcqRel);
                 let seq = sched.exec.next_seq(stream);
                 let r = catch_unwind(AssertUnwindSafe(|| sched.exec.run(&op, stream)))
                     .unwrap_or_else(|p| Err(panicked(self.rank, &op, seq, p)));
@@ -430,7 +427,7 @@ impl Streams {
         run_callbacks(callbacks);
         if others {
             // Work of other streams was picked up here; the progress thread carries it on.
-            self.queued.notify_one();
+            self.wake();
         }
         task.wait_until(Instant::now())
             .unwrap_or_else(|| Err(Error::Internal("a finished task has no result".into())))
@@ -441,16 +438,22 @@ impl Streams {
         self.check_stream(stream)?;
         self.push(stream, Item::Op(task));
         self.ensure_progress_thread()?;
-        self.queued.notify_one();
+        self.wake();
         Ok(())
     }
 
     fn push(&self, stream: usize, item: Item) {
-        let mut inc = self.incoming.lock();
         if matches!(item, Item::Op(_)) {
-            inc.issued[stream] += 1;
+            self.issued[stream].fetch_add(1, Ordering::AcqRel);
         }
-        inc.items.push_back((stream, item));
+        self.incoming.push((stream, item));
+    }
+
+    /// Wakes the progress thread. Taking its lock first means a thread that has just found the queue
+    /// empty is either already asleep (and woken) or will see the new item.
+    fn wake(&self) {
+        let _guard = self.sleep.lock();
+        self.queued.notify_one();
     }
 
     /// One pass over every stream. Returns whether anything moved, and the tasks that finished (to be
@@ -458,12 +461,9 @@ impl Streams {
     fn round(&self, s: &mut Sched) -> (bool, Vec<Finished>) {
         let mut progressed = false;
         let mut done = Vec::new();
-        {
-            let mut inc = self.incoming.lock();
-            while let Some((stream, item)) = inc.items.pop_front() {
-                s.streams[stream].queue.push_back(item);
-                progressed = true;
-            }
+        while let Some((stream, item)) = self.incoming.pop() {
+            s.streams[stream].queue.push_back(item);
+            progressed = true;
         }
         let now = Instant::now();
         for k in 0..s.order.len() {
@@ -588,14 +588,15 @@ impl Streams {
 
     fn progress_loop(&self) {
         loop {
-            let idle = self.sched.lock().idle();
             {
-                let mut inc = self.incoming.lock();
-                if inc.items.is_empty() && idle {
+                let mut guard = self.sleep.lock();
+                // Whoever holds the scheduler is busy with it: not a reason to sleep.
+                let idle = self.sched.try_lock().is_some_and(|s| s.idle());
+                if self.incoming.is_empty() && idle {
                     if self.shutdown.load(Ordering::Acquire) {
                         return;
                     }
-                    self.queued.wait_for(&mut inc, Duration::from_millis(100));
+                    self.queued.wait_for(&mut guard, Duration::from_millis(100));
                     continue;
                 }
             }
@@ -612,7 +613,10 @@ impl Streams {
     /// Stops the progress thread once every queued op has run (each is bounded by the timeout).
     pub(crate) fn shut_down(&self) {
         self.shutdown.store(true, Ordering::Release);
-        self.queued.notify_all();
+        {
+            let _guard = self.sleep.lock();
+            self.queued.notify_all();
+        }
         if let Some(h) = self.progress.lock().take() {
             let _ = h.join();
         }
