@@ -244,15 +244,28 @@ impl Executor {
 
     /// Runs `op` on `stream` to completion on this thread.
     pub(crate) fn run(&mut self, op: &Op, stream: usize) -> Result<(), Error> {
-        let mut r = self.start(op, stream)?;
-        let result = self.exec.run_blocking(&mut r.run);
-        self.finish(&r, &result);
+        let Some(seq) = self.seqs.get(stream).copied() else {
+            return Err(Error::invalid(format!("stream {stream} does not exist")));
+        };
+        // Refused before anything happens: the op takes no number and leaves no record.
+        self.exec.check_op(&op.spec, stream)?;
+        let algo = self
+            .tuner
+            .pick_cached(op.kind.collective(), op.count * op.dtype.size());
+        let started = Instant::now();
+        self.seqs[stream] += 1;
+        self.recorder.start(stream, seq, op, algo, started);
+        let result = self.exec.run_op(op.spec, algo, stream, seq, started);
+        self.record(stream, seq, started, &result);
         result
     }
 
     fn finish(&self, r: &Running, result: &Result<(), Error>) {
-        self.recorder
-            .finish(r.run.channel(), r.run.seq(), result, r.started.elapsed());
+        self.record(r.run.channel(), r.run.seq(), r.started, result);
+    }
+
+    fn record(&self, stream: usize, seq: u64, started: Instant, result: &Result<(), Error>) {
+        self.recorder.finish(stream, seq, result, started.elapsed());
         if let Err(e) = result {
             if self.config.dump_on_timeout && !e.is_invalid_argument() {
                 error!("rank {} {}", self.rank, self.recorder.dump());

@@ -166,7 +166,8 @@ pub struct Run {
     pending: Option<Ticket>,
     deferred: VecDeque<(Ticket, Deferred)>,
     fingerprint: Option<Box<[u8; Fingerprint::LEN]>>,
-    mismatch: Option<Error>,
+    /// The first fingerprint that disagreed (boxed: it is rare and an error is large).
+    mismatch: Option<Box<Error>>,
     started: Instant,
     deadline: Instant,
     steps: u64,
@@ -398,8 +399,9 @@ impl Executor {
         })
     }
 
-    /// Refuses memory the engine cannot compute on, overlapping buffers and unknown channels.
-    fn check_op(&self, op: &Op, channel: usize) -> Result<(), Error> {
+    /// Refuses memory the engine cannot compute on, overlapping buffers and unknown channels: what
+    /// [`Executor::start`] refuses with an invalid-argument error before anything happens.
+    pub fn check_op(&self, op: &Op, channel: usize) -> Result<(), Error> {
         for (what, s) in [("send", &op.send), ("receive", &op.recv)] {
             if !s.is_empty() && !self.engine.accepts(s.kind()) {
                 return Err(Error::invalid(format!(
@@ -536,6 +538,20 @@ impl Executor {
         r
     }
 
+    /// Starts `op` and runs it to the end on this thread: [`Executor::start`] and
+    /// [`Executor::run_blocking`] in one, with the run kept in place (the 8-byte path).
+    pub fn run_op(
+        &mut self,
+        op: Op,
+        algo: Algo,
+        channel: usize,
+        seq: u64,
+        started: Instant,
+    ) -> Result<(), Error> {
+        let mut run = self.start(op, algo, channel, seq, started)?;
+        self.run_blocking(&mut run)
+    }
+
     /// Runs `run` to the end on this thread, sleeping on the link or the engine between polls.
     pub fn run_blocking(&mut self, run: &mut Run) -> Result<(), Error> {
         // The waits below enforce the deadline themselves; no clock is read on this path.
@@ -655,7 +671,7 @@ impl Executor {
                         return self.blocked(run, w);
                     }
                     if let Some(e) = run.mismatch.take() {
-                        return Err(e);
+                        return Err(*e);
                     }
                     run.phase = Phase::Plan;
                 }

@@ -328,13 +328,13 @@ impl Cx<'_> {
                     Err(e) => Some(format!("rank {from} sent a malformed fingerprint: {e}")),
                 };
                 if let (Some(detail), None) = (detail, &run.mismatch) {
-                    run.mismatch = Some(Error::Mismatch {
+                    run.mismatch = Some(Box::new(Error::Mismatch {
                         rank: self.rank,
                         peer: from,
                         collective: run.op.collective.name().to_string(),
                         seq: run.seq,
                         detail,
-                    });
+                    }));
                 }
                 recvd += 1;
                 run.steps += 1;
