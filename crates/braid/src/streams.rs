@@ -221,6 +221,8 @@ pub(crate) struct Streams {
     count: usize,
     /// Set once `sticky` holds an error (read without the lock on the hot path).
     poisoned: AtomicBool,
+    /// The executor's abort flag: set, every run fails at its next poll.
+    abort_flag: Arc<AtomicBool>,
     id: usize,
     pub(crate) sched: Mutex<Sched>,
     /// Items issued and not yet picked up by a lock holder, with their stream (lock-free).
@@ -246,6 +248,7 @@ impl Streams {
         exec: Executor,
         streams: usize,
         maps: Arc<dyn AbortHandle>,
+        abort_flag: Arc<AtomicBool>,
         limit: Duration,
     ) -> Streams {
         let streams = streams.max(1);
@@ -253,6 +256,7 @@ impl Streams {
             rank,
             count: streams,
             poisoned: AtomicBool::new(false),
+            abort_flag,
             id: next_id(),
             sched: Mutex::new(Sched {
                 exec,
@@ -321,6 +325,7 @@ impl Streams {
 
     /// Poisons the communicator with `e` (unless it already is) and wakes everyone.
     pub(crate) fn abort(&self, e: Error) {
+        self.abort_flag.store(true, Ordering::SeqCst);
         self.sticky.lock().get_or_insert(e);
         self.poisoned.store(true, Ordering::Release);
         self.maps.fail_and_wake();
@@ -400,16 +405,18 @@ impl Streams {
         self.push(stream, Item::Op(task.clone()));
         let deadline = Instant::now() + self.limit;
         let mut callbacks = Vec::new();
+        let mut aborted = false;
         loop {
             let (progressed, done) = self.round(&mut sched);
             callbacks.extend(finish_all(done));
             if task.is_done() {
                 break;
             }
-            if Instant::now() >= deadline {
-                drop(sched);
-                run_callbacks(callbacks);
-                return Err(Error::Poisoned {
+            if !aborted && Instant::now() >= deadline {
+                // The op works on the caller's borrowed buffers: this call cannot return before it
+                // ends. Aborting makes it (and everything queued) end promptly with an error.
+                aborted = true;
+                self.abort(Error::Poisoned {
                     rank: self.rank,
                     first: format!(
                         "{} did not complete within {:?}",

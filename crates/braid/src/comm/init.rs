@@ -262,7 +262,14 @@ impl Communicator {
         }
         let recorder = executor.recorder.clone();
         let limit = config.timeout * 2 + Duration::from_secs(10);
-        let streams = Arc::new(Streams::new(rank, executor, config.streams, maps, limit));
+        let streams = Arc::new(Streams::new(
+            rank,
+            executor,
+            config.streams,
+            maps,
+            abort.clone(),
+            limit,
+        ));
         let inner = Inner {
             rank,
             world,
