@@ -223,7 +223,12 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         inner.streams.submit(task.clone(), stream)?;
         self.tasks.lock().push(task.clone());
         Ok(ScopedWork {
-            work: Work::new(task, inner.rank, inner.streams_limit()),
+            work: Work::new(
+                task,
+                inner.rank,
+                inner.streams_limit(),
+                Some(Arc::downgrade(&inner.streams)),
+            ),
             _scope: PhantomData,
         })
     }

@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -124,15 +124,24 @@ pub struct Work<R> {
     task: Arc<Task>,
     rank: usize,
     limit: Duration,
+    /// Aborted when the op overruns (none for work that never ran). Weak: a work handle does not keep
+    /// a dropped communicator's links alive.
+    streams: Option<Weak<Streams>>,
     _r: PhantomData<fn() -> R>,
 }
 
 impl<R: 'static> Work<R> {
-    pub(crate) fn new(task: Arc<Task>, rank: usize, limit: Duration) -> Work<R> {
+    pub(crate) fn new(
+        task: Arc<Task>,
+        rank: usize,
+        limit: Duration,
+        streams: Option<Weak<Streams>>,
+    ) -> Work<R> {
         Work {
             task,
             rank,
             limit,
+            streams,
             _r: PhantomData,
         }
     }
@@ -158,17 +167,30 @@ impl<R: 'static> Work<R> {
     }
 
     /// Waits for the op and returns its buffer. The wait is bounded: an op cannot outlive the
-    /// communicator's timeout by much, and if it somehow does this returns an error instead of hanging.
+    /// communicator's timeout by much. One that somehow does makes this abort the communicator (so that
+    /// it ends promptly, with an error, and lets go of its buffers) and wait once more; only if even that
+    /// fails does this return without the op having ended.
     pub fn wait(self) -> Result<R, Error> {
-        let Some(r) = self.task.wait_until(Instant::now() + self.limit) else {
-            return Err(Error::Poisoned {
+        let mut r = self.task.wait_until(Instant::now() + self.limit);
+        if r.is_none() {
+            let overrun = Error::Poisoned {
                 rank: self.rank,
                 first: format!(
                     "{} did not complete within {:?}",
                     self.task.op.kind.name(),
                     self.limit
                 ),
-            });
+            };
+            if let Some(s) = self.streams.as_ref().and_then(Weak::upgrade) {
+                s.abort(overrun.clone());
+                r = self.task.wait_until(Instant::now() + self.limit);
+            }
+            if r.is_none() {
+                return Err(overrun);
+            }
+        }
+        let Some(r) = r else {
+            return Err(Error::Internal("a finished task has no result".into()));
         };
         r?;
         let keep = self.task.keep.lock().take();

@@ -223,14 +223,19 @@ impl Communicator {
         let inner = &self.inner;
         let task = Task::new(op, Some(keep));
         inner.streams.submit(task.clone(), stream)?;
-        Ok(Work::new(task, inner.rank, inner.streams_limit()))
+        Ok(Work::new(
+            task,
+            inner.rank,
+            inner.streams_limit(),
+            Some(Arc::downgrade(&inner.streams)),
+        ))
     }
 
     /// A work handle that already holds `e` (a submission that could not be queued).
     fn failed_work<R: Send + 'static>(&self, e: Error) -> Work<R> {
         let task = Task::new(Op::barrier(), None);
         task.fail_now(e);
-        Work::new(task, self.inner.rank, Duration::ZERO)
+        Work::new(task, self.inner.rank, Duration::ZERO, None)
     }
 }
 
