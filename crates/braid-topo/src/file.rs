@@ -214,7 +214,7 @@ impl Topology {
     /// Reads and checks a topology file.
     pub fn load(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
+        let text = read_config_file(path).map_err(|source| Error::Read {
             path: path.to_owned(),
             source,
         })?;
@@ -276,4 +276,38 @@ fn parse_error(e: serde_json::Error) -> Error {
         column: e.column(),
         message,
     }
+}
+
+/// The largest configuration file (topology, tuning table) braid reads.
+pub const MAX_CONFIG_FILE: u64 = 16 << 20;
+
+/// Reads a configuration file named by the user: only a regular file (a device such as `/dev/zero` or
+/// a FIFO that nobody writes is refused before it is opened, so reading can neither grow without end nor
+/// block), of at most [`MAX_CONFIG_FILE`] bytes.
+pub fn read_config_file(path: &Path) -> std::io::Result<String> {
+    use std::io::{Error as IoError, ErrorKind, Read};
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(IoError::new(
+            ErrorKind::InvalidInput,
+            "not a regular file (a device, FIFO or directory is refused)",
+        ));
+    }
+    let too_big = || {
+        IoError::new(
+            ErrorKind::InvalidData,
+            format!("larger than the {MAX_CONFIG_FILE} bytes a configuration file may have"),
+        )
+    };
+    if meta.len() > MAX_CONFIG_FILE {
+        return Err(too_big());
+    }
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(MAX_CONFIG_FILE + 1)
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_CONFIG_FILE {
+        return Err(too_big());
+    }
+    Ok(text)
 }

@@ -91,7 +91,7 @@ mod probe;
 pub use cpulist::{format_ranges, parse_cpulist, MAX_CPU};
 pub use detect::{detect_host, detect_local, NVIDIA_VENDOR};
 pub use error::{Error, Result};
-pub use file::{FORMAT_VERSION, TOPO_FILE_ENV};
+pub use file::{read_config_file, FORMAT_VERSION, MAX_CONFIG_FILE, TOPO_FILE_ENV};
 pub use model::{
     ring_order, Gpu, Host, Link, LinkClass, Nic, NumaNode, RankPlace, Source, Topology,
 };

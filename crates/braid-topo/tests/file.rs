@@ -103,6 +103,32 @@ fn save_and_load_round_trip_through_a_file() {
 }
 
 #[test]
+fn a_device_a_fifo_or_a_huge_file_is_refused_without_reading_it() {
+    // /dev/zero would grow memory without end; a FIFO nobody writes would block forever.
+    let e = Topology::load("/dev/zero").unwrap_err();
+    assert!(e.to_string().contains("not a regular file"), "{e}");
+    let dir = TempDir::new("special");
+    let fifo = dir.path().join("fifo");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success(), "mkfifo failed");
+    // Opening it would block until a writer came; it is refused before it is opened.
+    let e = Topology::load(&fifo).unwrap_err();
+    assert!(e.to_string().contains("not a regular file"), "{e}");
+    let big = dir.path().join("big.json");
+    let f = std::fs::File::create(&big).unwrap();
+    f.set_len(braid_topo::MAX_CONFIG_FILE + 1).unwrap();
+    let e = Topology::load(&big).unwrap_err();
+    assert!(e.to_string().contains("larger than"), "{e}");
+    assert!(
+        e.to_string().contains("big.json"),
+        "the error names the file: {e}"
+    );
+}
+
+#[test]
 fn ranks_may_come_in_any_order_and_name_hosts_by_index() {
     let text = r#"{"version": 1, "hosts": [{"name": "a"}, {"name": "b"}],
         "ranks": [{"rank": 2, "host": 0}, {"rank": 0, "host": "b"}, {"rank": 1, "host": 1}]}"#;

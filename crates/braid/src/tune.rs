@@ -159,7 +159,7 @@ pub struct TuningFile {
 impl TuningFile {
     /// Reads and validates a tuning file.
     pub fn load(path: &std::path::Path) -> Result<TuningFile, Error> {
-        let text = std::fs::read_to_string(path)
+        let text = braid_topo::read_config_file(path)
             .map_err(|e| Error::invalid(format!("BRAID_TUNE_FILE {}: {e}", path.display())))?;
         let mut f: TuningFile = serde_json::from_str(&text)
             .map_err(|e| Error::invalid(format!("BRAID_TUNE_FILE {}: {e}", path.display())))?;
@@ -424,6 +424,17 @@ impl Tuner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tuning_file_that_is_a_device_is_refused_by_name() {
+        let e = TuningFile::load(std::path::Path::new("/dev/zero")).unwrap_err();
+        assert!(e.is_invalid_argument(), "{e}");
+        let text = e.to_string();
+        assert!(
+            text.contains("BRAID_TUNE_FILE /dev/zero") && text.contains("not a regular file"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn hier_is_chosen_across_hosts_for_large_messages_only() {
