@@ -336,7 +336,8 @@ fn spawn_ranks(
             cmd.args(args)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
-                .env_remove("BRAID_RANK");
+                .env_remove("BRAID_RANK")
+                .env_remove("BRAID_SECRET");
             for (k, v) in vars(r) {
                 cmd.env(k, v);
             }
@@ -654,6 +655,14 @@ fn test_torchrun_variables() {
     for o in &outs {
         assert!(o.status.success(), "{}", show(o));
     }
+    // Rank 0 warns about the derived secret, and the warning reaches the log at the default level (it
+    // used to be logged before the logger existed, and filtered out by it).
+    let err = String::from_utf8_lossy(&outs[0].stderr);
+    assert!(
+        err.contains("BRAID_SECRET is not set"),
+        "no warning about the derived secret:\n{}",
+        show(&outs[0])
+    );
 }
 
 fn test_perf_runs_and_checks() {

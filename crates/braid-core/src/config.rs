@@ -26,7 +26,8 @@ impl DebugLevel {
     /// The `tracing` filter directive for this level.
     pub fn directive(self) -> &'static str {
         match self {
-            DebugLevel::Error => "error",
+            // Security warnings (a derived bootstrap secret) are shown even at the quietest level.
+            DebugLevel::Error => "error,braid::security=warn",
             DebugLevel::Warn => "warn",
             DebugLevel::Info => "info",
             DebugLevel::Debug => "debug",

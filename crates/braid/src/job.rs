@@ -106,7 +106,7 @@ impl JobEnv {
                 // No secret given (torchrun, mpirun and srun do not make one): derive it from what every
                 // rank of this job sees. That stops strays from other jobs, not an attacker.
                 if rank == 0 {
-                    warn!("BRAID_SECRET is not set: the bootstrap secret is derived from job variables");
+                    warn!(target: "braid::security", "BRAID_SECRET is not set: the bootstrap secret is derived from job variables");
                 }
                 let ids = [
                     "TORCHELASTIC_RUN_ID",

@@ -290,6 +290,8 @@ impl Communicator {
     /// `BRAID_SECRET`, or torchrun's, Open MPI's, PMI's or Slurm's variables), configured by `BRAID_*`.
     pub fn from_env() -> Result<Communicator, Error> {
         let config = Config::from_env()?;
+        // Detecting the job can warn (a derived secret): the logger must exist first.
+        init_logging(&config);
         let job = JobEnv::detect()?;
         Communicator::init(job.world, job.rank, &job.id, config)
     }
