@@ -325,6 +325,12 @@ impl Streams {
     }
 
     /// Records `e` as the communicator's first error (unless it is an argument error) and tells the
+    /// peers: for errors found outside the executor (the compressed paths' checks).
+    pub(crate) fn poison(&self, e: &Error) {
+        self.fail(e);
+    }
+
+    /// Records `e` as the communicator's first error (unless it is an argument error) and tells the
     /// peers.
     fn fail(&self, e: &Error) {
         if !e.is_invalid_argument() {

@@ -84,8 +84,15 @@ fn ranks_with_different_configurations_are_told_under_debug_checks() {
         };
         let mut st = GradientCompressor::new(cfg, 100).unwrap();
         let mut g = vec![1.0f32; 100];
-        c.all_reduce_compressed(&mut g, braid::ReduceOp::Sum, &mut st)
-            .unwrap_err()
+        let e = c
+            .all_reduce_compressed(&mut g, braid::ReduceOp::Sum, &mut st)
+            .unwrap_err();
+        // The mismatch is sticky: the communicator says so, and the next call fails fast instead of
+        // pairing with whatever the peer runs next.
+        assert_eq!(c.async_error().as_ref(), Some(&e), "rank {}", c.rank());
+        let later = c.all_reduce_in_place(&mut [1.0f32], braid::ReduceOp::Sum);
+        assert!(matches!(later, Err(Error::Poisoned { .. })), "{later:?}");
+        e
     });
     for (r, e) in errs.iter().enumerate() {
         assert!(

@@ -216,14 +216,18 @@ impl Communicator {
     }
 
     /// Peers disagree about the compressed call at `step`.
+    /// A disagreement between ranks, which leaves the communicator unusable (sticky, and the peers are
+    /// told), as every non-argument error does.
     fn mismatch(&self, peer: usize, step: u64, detail: String) -> Error {
-        Error::Mismatch {
+        let e = Error::Mismatch {
             rank: self.rank(),
             peer,
             collective: "all_reduce_compressed".into(),
             seq: step,
             detail,
-        }
+        };
+        self.inner.streams.poison(&e);
+        e
     }
 
     /// `BRAID_DEBUG_CHECKS`: every rank compares a hash of its configuration, length and step.
