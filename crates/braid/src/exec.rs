@@ -129,10 +129,9 @@ unsafe impl Send for Op {}
 // executor, which runs one op at a time under the communicator's executor lock.
 unsafe impl Sync for Op {}
 
-/// A started op: its run and when it started (for the flight recorder).
+/// A started op.
 pub(crate) struct Running {
     run: Run,
-    started: Instant,
 }
 
 impl Running {
@@ -213,7 +212,7 @@ impl Executor {
         self.seqs[stream] += 1;
         trace!(rank = self.rank, stream, seq, op = op.kind.name(), count = op.count, dtype = %op.dtype, algo = algo.name(), "run");
         self.recorder.start(stream, seq, op, algo, started);
-        Ok(Running { run, started })
+        Ok(Running { run })
     }
 
     /// Advances a started op by at most `budget` steps; records how it ended when it does.
@@ -247,21 +246,25 @@ impl Executor {
         let Some(seq) = self.seqs.get(stream).copied() else {
             return Err(Error::invalid(format!("stream {stream} does not exist")));
         };
-        // Refused before anything happens: the op takes no number and leaves no record.
-        self.exec.check_op(&op.spec, stream)?;
         let algo = self
             .tuner
             .pick_cached(op.kind.collective(), op.count * op.dtype.size());
         let started = Instant::now();
-        self.seqs[stream] += 1;
-        self.recorder.start(stream, seq, op, algo, started);
-        let result = self.exec.run_op(op.spec, algo, stream, seq, started);
-        self.record(stream, seq, started, &result);
+        // An op refused before it starts takes no number and leaves no record.
+        let (seqs, recorder) = (&mut self.seqs, &self.recorder);
+        let result = self.exec.run_op(op.spec, algo, stream, seq, started, || {
+            seqs[stream] += 1;
+            recorder.start(stream, seq, op, algo, started);
+        });
+        if self.seqs[stream] != seq {
+            // It started (and was recorded): record how it ended.
+            self.record(stream, seq, started, &result);
+        }
         result
     }
 
     fn finish(&self, r: &Running, result: &Result<(), Error>) {
-        self.record(r.run.channel(), r.run.seq(), r.started, result);
+        self.record(r.run.channel(), r.run.seq(), r.run.started(), result);
     }
 
     fn record(&self, stream: usize, seq: u64, started: Instant, result: &Result<(), Error>) {

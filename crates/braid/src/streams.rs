@@ -325,14 +325,8 @@ impl Streams {
     }
 
     /// Records `e` as the communicator's first error (unless it is an argument error) and tells the
-    /// peers: for errors found outside the executor (the compressed paths' checks).
+    /// peers; also for errors found outside the executor (the compressed paths' checks).
     pub(crate) fn poison(&self, e: &Error) {
-        self.fail(e);
-    }
-
-    /// Records `e` as the communicator's first error (unless it is an argument error) and tells the
-    /// peers.
-    fn fail(&self, e: &Error) {
         if !e.is_invalid_argument() {
             error!("{e}");
             self.sticky.lock().get_or_insert(e.clone());
@@ -424,7 +418,7 @@ impl Streams {
                 sched.streams[stream].completed += 1;
                 drop(sched);
                 if let Err(e) = &r {
-                    self.fail(e);
+                    self.poison(e);
                 }
                 return r;
             }
@@ -529,7 +523,7 @@ impl Streams {
                     match s.exec.start(&task.op, si) {
                         Ok(r) => s.streams[si].active = Some((task, r, None)),
                         Err(e) => {
-                            self.fail(&e);
+                            self.poison(&e);
                             s.streams[si].completed += 1;
                             done.push((task, Err(e)));
                             continue;
@@ -558,7 +552,7 @@ impl Streams {
                         break;
                     }
                     Err(e) => {
-                        self.fail(&e);
+                        self.poison(&e);
                         let Some((task, _, _)) = st.active.take() else {
                             break;
                         };
@@ -595,7 +589,7 @@ impl Streams {
             };
             let w = *w;
             if let Err(e) = exec.wait(run, w, until) {
-                self.fail(&e);
+                self.poison(&e);
                 let (task, _, _) = st.active.take()?;
                 st.completed += 1;
                 return Some((task, Err(e)));

@@ -399,9 +399,8 @@ impl Executor {
         })
     }
 
-    /// Refuses memory the engine cannot compute on, overlapping buffers and unknown channels: what
-    /// [`Executor::start`] refuses with an invalid-argument error before anything happens.
-    pub fn check_op(&self, op: &Op, channel: usize) -> Result<(), Error> {
+    /// Refuses memory the engine cannot compute on, overlapping buffers and unknown channels.
+    fn check_op(&self, op: &Op, channel: usize) -> Result<(), Error> {
         for (what, s) in [("send", &op.send), ("receive", &op.recv)] {
             if !s.is_empty() && !self.engine.accepts(s.kind()) {
                 return Err(Error::invalid(format!(
@@ -539,7 +538,8 @@ impl Executor {
     }
 
     /// Starts `op` and runs it to the end on this thread: [`Executor::start`] and
-    /// [`Executor::run_blocking`] in one, with the run kept in place (the 8-byte path).
+    /// [`Executor::run_blocking`] in one, with the run kept in place (the 8-byte path). `on_start` is
+    /// called once the op has been accepted (not for one refused with an invalid-argument error).
     pub fn run_op(
         &mut self,
         op: Op,
@@ -547,8 +547,10 @@ impl Executor {
         channel: usize,
         seq: u64,
         started: Instant,
+        on_start: impl FnOnce(),
     ) -> Result<(), Error> {
         let mut run = self.start(op, algo, channel, seq, started)?;
+        on_start();
         self.run_blocking(&mut run)
     }
 
