@@ -3,14 +3,15 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use braid_core::Error;
+use braid_core::{DType, Error};
 use parking_lot::Mutex;
 
 use crate::exec::Op;
-use crate::tune::Algo;
+use crate::tune::{Algo, Collective};
 
 /// How many collectives are kept.
 pub const CAPACITY: usize = 64;
@@ -73,31 +74,135 @@ impl fmt::Display for FlightRecord {
     }
 }
 
-/// A shared ring buffer of [`FlightRecord`]s (readable while a collective runs). The hot path stores
-/// monotonic start times it already has; wall-clock times are derived only when someone asks.
-#[derive(Clone, Default)]
+/// One record as the writer left it: every field an atomic, behind a sequence lock, so that the
+/// writer (the op's thread) never takes a lock and a reader never sees a record half written.
+#[derive(Default)]
+struct Entry {
+    /// Odd while the writer is changing the entry.
+    version: AtomicU64,
+    /// Which record (counting from 0) the entry holds.
+    ordinal: AtomicU64,
+    stream: AtomicU64,
+    seq: AtomicU64,
+    count: AtomicU64,
+    /// Collective index, dtype, algorithm and state, a byte each.
+    what: AtomicU64,
+    /// Start, in nanoseconds after the recorder was made.
+    started: AtomicU64,
+    /// Nanoseconds it ran (when finished).
+    elapsed: AtomicU64,
+}
+
+const RUNNING: u8 = 0;
+const DONE: u8 = 1;
+const FAILED: u8 = 2;
+
+/// A record read back, before its names are looked up.
+#[derive(Clone, Copy)]
+struct Raw {
+    ordinal: u64,
+    stream: u64,
+    seq: u64,
+    count: u64,
+    what: u64,
+    started: u64,
+    elapsed: u64,
+}
+
+struct Shared {
+    base: Instant,
+    entries: Box<[Entry]>,
+    /// Records started so far (the next record's ordinal).
+    head: AtomicU64,
+    /// The messages of failed records, by (stream, seq) (rare: behind a lock).
+    failures: Mutex<VecDeque<(u64, u64, String)>>,
+}
+
+/// The shared ring buffer of [`FlightRecord`]s, readable from any thread while a collective runs. One
+/// writer at a time (the thread that holds the communicator's executor) stores monotonic times it
+/// already has, with no lock and no atomic read-modify-write; wall-clock times and names are derived
+/// only when someone asks.
+#[derive(Clone)]
 pub struct Recorder {
-    records: Arc<Mutex<VecDeque<(Instant, FlightRecord)>>>,
+    shared: Arc<Shared>,
+}
+
+impl Default for Recorder {
+    fn default() -> Self {
+        Recorder {
+            shared: Arc::new(Shared {
+                base: Instant::now(),
+                entries: (0..CAPACITY).map(|_| Entry::default()).collect(),
+                head: AtomicU64::new(0),
+                failures: Mutex::new(VecDeque::new()),
+            }),
+        }
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 impl Recorder {
-    pub(crate) fn start(&self, stream: usize, seq: u64, op: &Op, algo: Algo, started: Instant) {
-        let mut r = self.records.lock();
-        if r.len() == CAPACITY {
-            r.pop_front();
+    /// Writes `raw` into its entry. Only the single writer calls this.
+    fn write(&self, raw: Raw) {
+        let e = &self.shared.entries[(raw.ordinal % CAPACITY as u64) as usize];
+        let v = e.version.load(Ordering::Relaxed);
+        e.version.store(v.wrapping_add(1), Ordering::Relaxed);
+        fence(Ordering::Release);
+        e.ordinal.store(raw.ordinal, Ordering::Relaxed);
+        e.stream.store(raw.stream, Ordering::Relaxed);
+        e.seq.store(raw.seq, Ordering::Relaxed);
+        e.count.store(raw.count, Ordering::Relaxed);
+        e.what.store(raw.what, Ordering::Relaxed);
+        e.started.store(raw.started, Ordering::Relaxed);
+        e.elapsed.store(raw.elapsed, Ordering::Relaxed);
+        e.version.store(v.wrapping_add(2), Ordering::Release);
+    }
+
+    /// Reads entry `i` consistently; `None` while (or if ever) the writer is in it.
+    fn read(&self, i: usize) -> Option<Raw> {
+        let e = &self.shared.entries[i];
+        for _ in 0..1000 {
+            let v1 = e.version.load(Ordering::Acquire);
+            if v1 % 2 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let raw = Raw {
+                ordinal: e.ordinal.load(Ordering::Relaxed),
+                stream: e.stream.load(Ordering::Relaxed),
+                seq: e.seq.load(Ordering::Relaxed),
+                count: e.count.load(Ordering::Relaxed),
+                what: e.what.load(Ordering::Relaxed),
+                started: e.started.load(Ordering::Relaxed),
+                elapsed: e.elapsed.load(Ordering::Relaxed),
+            };
+            fence(Ordering::Acquire);
+            if e.version.load(Ordering::Relaxed) == v1 {
+                return Some(raw);
+            }
         }
-        let rec = FlightRecord {
-            stream,
+        None
+    }
+
+    pub(crate) fn start(&self, stream: usize, seq: u64, op: &Op, algo: Algo, started: Instant) {
+        let ordinal = self.shared.head.load(Ordering::Relaxed);
+        let what = op.kind.collective().index() as u64
+            | (op.dtype as u64) << 8
+            | (algo as u64) << 16
+            | (RUNNING as u64) << 24;
+        self.write(Raw {
+            ordinal,
+            stream: stream as u64,
             seq,
-            op: op.kind.name(),
-            count: op.count,
-            dtype: op.dtype.name(),
-            algo: algo.name(),
-            started: SystemTime::UNIX_EPOCH,
-            elapsed: Duration::ZERO,
-            state: State::Running,
-        };
-        r.push_back((started, rec));
+            count: op.count as u64,
+            what,
+            started: nanos(started.saturating_duration_since(self.shared.base)),
+            elapsed: 0,
+        });
+        self.shared.head.store(ordinal + 1, Ordering::Release);
     }
 
     pub(crate) fn finish(
@@ -107,32 +212,89 @@ impl Recorder {
         result: &Result<(), Error>,
         elapsed: Duration,
     ) {
-        let mut r = self.records.lock();
-        if let Some((_, rec)) = r
-            .iter_mut()
-            .rev()
-            .find(|x| x.1.seq == seq && x.1.stream == stream)
-        {
-            rec.elapsed = elapsed;
-            rec.state = match result {
-                Ok(()) => State::Done,
-                Err(e) => State::Failed(e.to_string()),
+        let head = self.shared.head.load(Ordering::Relaxed);
+        let first = head.saturating_sub(CAPACITY as u64);
+        for ordinal in (first..head).rev() {
+            let e = &self.shared.entries[(ordinal % CAPACITY as u64) as usize];
+            // The writer reads its own stores: no lock needed.
+            if e.stream.load(Ordering::Relaxed) != stream as u64
+                || e.seq.load(Ordering::Relaxed) != seq
+            {
+                continue;
+            }
+            let state = match result {
+                Ok(()) => DONE,
+                Err(err) => {
+                    let mut f = self.shared.failures.lock();
+                    if f.len() == CAPACITY {
+                        f.pop_front();
+                    }
+                    f.push_back((stream as u64, seq, err.to_string()));
+                    FAILED
+                }
             };
+            let what = e.what.load(Ordering::Relaxed) & 0xff_ffff | (state as u64) << 24;
+            self.write(Raw {
+                ordinal,
+                stream: stream as u64,
+                seq,
+                count: e.count.load(Ordering::Relaxed),
+                what,
+                started: e.started.load(Ordering::Relaxed),
+                elapsed: nanos(elapsed),
+            });
+            return;
         }
     }
 
     /// A copy of the records, oldest first; running ones show their time so far.
     pub fn snapshot(&self) -> Vec<FlightRecord> {
-        let r = self.records.lock();
+        let head = self.shared.head.load(Ordering::Acquire);
+        let first = head.saturating_sub(CAPACITY as u64);
         let (now_wall, now) = (SystemTime::now(), Instant::now());
-        r.iter()
-            .map(|(t, x)| {
-                let mut x = x.clone();
-                x.started = now_wall - now.duration_since(*t);
-                if x.state == State::Running {
-                    x.elapsed = now.duration_since(*t);
+        let failures = self.shared.failures.lock().clone();
+        (first..head)
+            .filter_map(|ordinal| self.read((ordinal % CAPACITY as u64) as usize))
+            // An entry already reused by a newer record is left out here and shown in its turn.
+            .filter(|raw| raw.ordinal >= first && raw.ordinal < head)
+            .map(|raw| {
+                let started = self.shared.base + Duration::from_nanos(raw.started);
+                let byte = |k: u32| (raw.what >> (8 * k)) as u8;
+                let state = match byte(3) {
+                    RUNNING => State::Running,
+                    DONE => State::Done,
+                    _ => State::Failed(
+                        failures
+                            .iter()
+                            .rev()
+                            .find(|(s, q, _)| *s == raw.stream && *q == raw.seq)
+                            .map(|(_, _, m)| m.clone())
+                            .unwrap_or_default(),
+                    ),
+                };
+                FlightRecord {
+                    stream: raw.stream as usize,
+                    seq: raw.seq,
+                    op: Collective::ALL
+                        .get(byte(0) as usize)
+                        .map_or("?", |c| c.name()),
+                    count: raw.count as usize,
+                    dtype: DType::ALL
+                        .iter()
+                        .find(|d| **d as u8 == byte(1))
+                        .map_or("?", |d| d.name()),
+                    algo: Algo::ALL
+                        .iter()
+                        .find(|a| **a as u8 == byte(2))
+                        .map_or("?", |a| a.name()),
+                    started: now_wall - now.saturating_duration_since(started),
+                    elapsed: if state == State::Running {
+                        now.saturating_duration_since(started)
+                    } else {
+                        Duration::from_nanos(raw.elapsed)
+                    },
+                    state,
                 }
-                x
             })
             .collect()
     }
@@ -159,36 +321,68 @@ mod tests {
     #[test]
     fn keeps_the_last_records_and_their_states() {
         let rec = Recorder::default();
+        let op = Op::barrier();
         for seq in 0..(CAPACITY as u64 + 10) {
-            rec.records.lock().push_back((
-                Instant::now(),
-                FlightRecord {
-                    stream: 0,
-                    seq,
-                    op: "all_reduce",
-                    count: 4,
-                    dtype: "float",
-                    algo: "ring",
-                    started: SystemTime::now(),
-                    elapsed: Duration::ZERO,
-                    state: State::Running,
-                },
-            ));
-            if rec.records.lock().len() > CAPACITY {
-                rec.records.lock().pop_front();
-            }
+            rec.start(0, seq, &op, Algo::Ring, Instant::now());
             let res = if seq % 2 == 0 {
                 Ok(())
             } else {
-                Err(Error::invalid("x"))
+                Err(Error::invalid(format!("x{seq}")))
             };
-            rec.finish(0, seq, &res, Duration::from_micros(3));
+            if seq != CAPACITY as u64 + 9 {
+                rec.finish(0, seq, &res, Duration::from_micros(3));
+            }
         }
         let snap = rec.snapshot();
         assert_eq!(snap.len(), CAPACITY);
         assert_eq!(snap[0].seq, 10);
         assert_eq!(snap[0].state, State::Done);
-        assert!(matches!(snap[1].state, State::Failed(_)));
+        assert_eq!(snap[0].op, "barrier");
+        assert_eq!(snap[0].algo, "ring");
+        assert_eq!(snap[0].dtype, DType::U8.name());
+        assert_eq!(snap[0].elapsed, Duration::from_micros(3));
+        assert!(matches!(&snap[1].state, State::Failed(m) if m.contains("x11")));
+        assert_eq!(snap[CAPACITY - 1].state, State::Running);
         assert!(rec.dump().contains("#73"));
+    }
+
+    #[test]
+    fn a_reader_never_sees_a_record_half_written() {
+        use std::sync::atomic::AtomicUsize;
+        let rec = Recorder::default();
+        let reader = rec.clone();
+        let seen = Arc::new(AtomicUsize::new(0));
+        let seen2 = seen.clone();
+        let t = std::thread::spawn(move || {
+            while seen2.load(Ordering::Relaxed) < 50_000 {
+                for r in reader.snapshot() {
+                    // The writer keeps count == seq: a torn read would break it.
+                    assert_eq!(r.count as u64, r.seq);
+                    seen2.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        let until = Instant::now() + Duration::from_secs(20);
+        let mut seq = 0u64;
+        while seen.load(Ordering::Relaxed) < 50_000 && Instant::now() < until {
+            // SAFETY: no memory at all (null with zero lengths).
+            let op = unsafe {
+                Op::new(
+                    crate::exec::Kind::AllReduce,
+                    DType::F32,
+                    braid_core::ReduceOp::Sum,
+                    seq as usize,
+                    std::ptr::null(),
+                    0,
+                    std::ptr::null_mut(),
+                    0,
+                )
+            };
+            rec.start(1, seq, &op, Algo::Direct, Instant::now());
+            rec.finish(1, seq, &Ok(()), Duration::from_nanos(seq));
+            seq += 1;
+        }
+        t.join().unwrap();
+        assert!(seen.load(Ordering::Relaxed) >= 50_000);
     }
 }

@@ -481,10 +481,21 @@ impl Executor {
         now: Instant,
         budget: u64,
     ) -> Result<Progress, Error> {
+        self.poll_inner(run, now, budget, false)
+    }
+
+    /// [`Executor::poll_for`]; with `block`, a wait on the link happens in place (the blocking path).
+    fn poll_inner(
+        &mut self,
+        run: &mut Run,
+        now: Instant,
+        budget: u64,
+        block: bool,
+    ) -> Result<Progress, Error> {
         if run.phase == Phase::Done {
             return Ok(Progress::Done);
         }
-        let r = self.advance(run, budget.max(1));
+        let r = self.advance(run, budget.max(1), block);
         let r = match r {
             Ok(Progress::Blocked(w)) => {
                 if self.abort.load(Ordering::Relaxed) {
@@ -559,7 +570,7 @@ impl Executor {
         // The waits below enforce the deadline themselves; no clock is read on this path.
         let now = run.started;
         loop {
-            match self.poll(run, now)? {
+            match self.poll_inner(run, now, u64::MAX, true)? {
                 Progress::Done => return Ok(()),
                 Progress::Yielded => {}
                 Progress::Blocked(Wait::Link {
@@ -604,12 +615,15 @@ impl Executor {
     }
 
     /// Walks the plan from the run's position: `Some` when it blocks or yields, `None` at the end.
+    /// With `block`, a wait on the link (with no post held back for a kernel) happens in place, and
+    /// the walk goes on from where it stopped.
     fn walk(
         &mut self,
         run: &mut Run,
         plan: &Plan,
         first: u64,
         budget: u64,
+        block: bool,
     ) -> Result<Option<Progress>, Error> {
         let link = self.link.as_deref();
         while let Some(a) = plan.actions.get(run.pc) {
@@ -628,6 +642,20 @@ impl Executor {
                 None => local_step(&mut *self.engine, run, a)?,
             };
             if let Some(w) = wait {
+                if let (
+                    true,
+                    Some(link),
+                    Wait::Link {
+                        peer,
+                        channel,
+                        event,
+                    },
+                ) = (block && run.deferred.is_empty(), link, w)
+                {
+                    let ctx = run_ctx(self.rank, &self.abort, run);
+                    link.wait(peer, channel, event, &ctx, run.deadline)?;
+                    continue;
+                }
                 return self.blocked(run, w).map(Some);
             }
             run.pc += 1;
@@ -652,7 +680,7 @@ impl Executor {
         }
     }
 
-    fn advance(&mut self, run: &mut Run, budget: u64) -> Result<Progress, Error> {
+    fn advance(&mut self, run: &mut Run, budget: u64, block: bool) -> Result<Progress, Error> {
         let first = run.steps;
         loop {
             match run.phase {
@@ -683,7 +711,7 @@ impl Executor {
                     let Some(plan) = run.plan.take() else {
                         return Err(Error::Internal("a run without its plan".into()));
                     };
-                    let r = self.walk(run, &plan, first, budget);
+                    let r = self.walk(run, &plan, first, budget, block);
                     run.plan = Some(plan);
                     if let Some(p) = r? {
                         return Ok(p);
