@@ -3,7 +3,10 @@
  *
  * Every function returns a braid_result (BRAID_SUCCESS is 0); after a failure,
  * braid_get_last_error_message() says what went wrong and names the argument. An invalid argument has no
- * effect; any other failure makes the communicator unusable until it is destroyed.
+ * effect; any other failure makes the communicator unusable until it is destroyed (an invalid argument only the
+ * root can see, a buffer only it passes, also makes it unusable on every rank). A communicator is
+ * used by one thread at a time: a call made while another thread is inside one fails with
+ * BRAID_INVALID_ARGUMENT and makes the communicator unusable on every rank.
  *
  * Handles (braid_comm, braid_work, braid_compressor) are looked up, never dereferenced: a destroyed or forged handle is
  * BRAID_INVALID_ARGUMENT. braid_comm_destroy(NULL), braid_work_free(NULL) and

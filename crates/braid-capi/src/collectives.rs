@@ -350,7 +350,8 @@ pub unsafe extern "C" fn braid_broadcast(
             // SAFETY: the caller's receive buffer, ours for the call.
             return c.broadcast_bytes(&[], unsafe { r.bytes_mut() }, dt, root);
         }
-        let s = Region::new(sendbuf, n, "sendbuf")?;
+        // Only the root passes a send buffer: an error in it is one its peers cannot see.
+        let s = Region::new(sendbuf, n, "sendbuf").map_err(|e| c.one_sided(e))?;
         if n > 0 && s.ptr == r.ptr {
             if r.aligned_for(dt) {
                 return with_type!(dt, |T| {
@@ -363,7 +364,7 @@ pub unsafe extern "C" fn braid_broadcast(
             // SAFETY: the caller's buffer, ours for the call; `copy` is separate memory.
             return c.broadcast_bytes(&copy, unsafe { r.bytes_mut() }, dt, root);
         }
-        apart(&s, &r, "sendbuf == recvbuf")?;
+        apart(&s, &r, "sendbuf == recvbuf").map_err(|e| c.one_sided(e))?;
         // SAFETY: two disjoint caller buffers, ours for the call.
         let (sb, rb) = unsafe { (s.bytes(), r.bytes_mut()) };
         c.broadcast_bytes(sb, rb, dt, root)
@@ -398,7 +399,8 @@ pub unsafe extern "C" fn braid_reduce(
             // SAFETY: the caller's send buffer, only read.
             return c.reduce_bytes(unsafe { s.bytes() }, &mut [], dt, op, root);
         }
-        let r = Region::new(recvbuf, n, "recvbuf")?;
+        // Only the root passes a receive buffer: an error in it is one its peers cannot see.
+        let r = Region::new(recvbuf, n, "recvbuf").map_err(|e| c.one_sided(e))?;
         if n > 0 && s.ptr == r.ptr {
             if r.aligned_for(dt) {
                 return with_type!(dt, |T| {
@@ -411,7 +413,7 @@ pub unsafe extern "C" fn braid_reduce(
             // SAFETY: the caller's buffer, ours for the call; `copy` is separate memory.
             return c.reduce_bytes(&copy, unsafe { r.bytes_mut() }, dt, op, root);
         }
-        apart(&s, &r, "sendbuf == recvbuf")?;
+        apart(&s, &r, "sendbuf == recvbuf").map_err(|e| c.one_sided(e))?;
         // SAFETY: two disjoint caller buffers, ours for the call.
         let (sb, rb) = unsafe { (s.bytes(), r.bytes_mut()) };
         c.reduce_bytes(sb, rb, dt, op, root)

@@ -27,6 +27,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Print a fresh random communicator secret (32 hex digits) for BRAID_SECRET or BRAID_SECRET_FILE,
+    /// for jobs whose launcher (torchrun, mpirun, srun) makes none.
+    Secret,
     /// Start N ranks of a program on this host (like torchrun or mpirun); if one fails, stop the rest.
     Run {
         /// Number of ranks.
@@ -238,6 +241,7 @@ fn main() {
         }
         Cmd::Run { n, command } => launch::run(n, &command[0], &command[1..], &[]),
         Cmd::Topo => topo_main(),
+        Cmd::Secret => secret_main(),
         Cmd::CompressBench {
             ranks,
             size,
@@ -331,6 +335,20 @@ fn main() {
         }
     };
     std::process::exit(code);
+}
+
+fn secret_main() -> i32 {
+    let any = std::net::SocketAddr::from(([127, 0, 0, 1], 0));
+    match braid::UniqueId::unbound(any) {
+        Ok(id) => {
+            println!("{}", id.secret_hex());
+            0
+        }
+        Err(e) => {
+            eprintln!("braid secret: {e}");
+            1
+        }
+    }
 }
 
 fn topo_main() -> i32 {

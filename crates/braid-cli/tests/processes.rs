@@ -643,25 +643,52 @@ fn test_killed_rank() {
 }
 
 fn test_torchrun_variables() {
+    // One host (a loopback root): the ranks agree on a secret from this user's host-local key.
     let port = free_port();
+    let home = std::env::temp_dir().join(format!("braid-torchrun-home-{}", std::process::id()));
+    std::fs::create_dir_all(&home).unwrap();
     let outs = spawn_ranks(2, &["small"], |r| {
         vec![
             ("RANK".into(), r.to_string()),
             ("WORLD_SIZE".into(), "2".into()),
             ("MASTER_ADDR".into(), "127.0.0.1".into()),
             ("MASTER_PORT".into(), port.to_string()),
+            ("HOME".into(), home.to_str().unwrap().into()),
         ]
     });
     for o in &outs {
         assert!(o.status.success(), "{}", show(o));
     }
-    // Rank 0 warns about the derived secret, and the warning reaches the log at the default level (it
-    // used to be logged before the logger existed, and filtered out by it).
-    let err = String::from_utf8_lossy(&outs[0].stderr);
+    assert!(home.join(".cache/braid/host-secret").is_file());
+    std::fs::remove_dir_all(&home).unwrap();
+    // A root another host could be on, and no secret: refused on every rank, before any connection
+    // (an outsider who can reach the port could otherwise join with a secret computed from public
+    // values), with a message that says what to set.
+    let start = Instant::now();
+    let outs = spawn_ranks(2, &["small"], |r| {
+        vec![
+            ("RANK".into(), r.to_string()),
+            ("WORLD_SIZE".into(), "2".into()),
+            ("MASTER_ADDR".into(), "10.255.255.1".into()),
+            ("MASTER_PORT".into(), "29500".into()),
+        ]
+    });
+    for o in &outs {
+        let err = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(
+            !o.status.success() && err.contains("BRAID_SECRET") && err.contains("braid secret"),
+            "{}",
+            show(o)
+        );
+    }
     assert!(
-        err.contains("BRAID_SECRET is not set"),
-        "no warning about the derived secret:\n{}",
-        show(&outs[0])
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
     );
 }
 

@@ -1,10 +1,8 @@
 //! Where a rank learns its place in the job: braid's own variables, or those of the launchers clusters
 //! already use (torchrun, Open MPI, PMI, Slurm).
 
+use crate::id::{resolve, UniqueId};
 use braid_core::Error;
-use tracing::warn;
-
-use crate::id::{parse_secret, resolve, UniqueId};
 
 /// A rank's place in a job, read from the environment.
 #[derive(Clone, Debug)]
@@ -31,18 +29,6 @@ fn num(name: &str, v: &str) -> Result<usize, Error> {
     v.trim()
         .parse()
         .map_err(|_| Error::invalid(format!("{name}={v:?} is not a non-negative integer")))
-}
-
-/// FNV-1a over 128 bits: a stable hash for deriving a secret from job identifiers.
-fn fnv128(parts: &[String]) -> [u8; 16] {
-    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
-    for p in parts {
-        for b in p.bytes().chain([0u8]) {
-            h ^= b as u128;
-            h = h.wrapping_mul(0x0000000001000000000000000000013B);
-        }
-    }
-    h.to_le_bytes()
 }
 
 impl JobEnv {
@@ -99,28 +85,7 @@ impl JobEnv {
             )),
         };
         let addr = resolve(&root)?;
-        let secret = match lookup("BRAID_SECRET") {
-            Some(s) => parse_secret(&s)
-                .map_err(|_| Error::invalid("BRAID_SECRET must be 32 hexadecimal digits"))?,
-            None => {
-                // No secret given (torchrun, mpirun and srun do not make one): derive it from what every
-                // rank of this job sees. That stops strays from other jobs, not an attacker.
-                if rank == 0 {
-                    warn!(target: "braid::security", "BRAID_SECRET is not set: the bootstrap secret is derived from job variables");
-                }
-                let ids = [
-                    "TORCHELASTIC_RUN_ID",
-                    "SLURM_JOB_ID",
-                    "OMPI_MCA_ess_base_jobid",
-                    "PMI_JOBID",
-                ];
-                let mut parts: Vec<String> =
-                    ids.iter().map(|k| lookup(k).unwrap_or_default()).collect();
-                parts.push(root.clone());
-                parts.push(world.to_string());
-                fnv128(&parts)
-            }
-        };
+        let secret = crate::secret::job_secret(&lookup, addr, &root, world)?;
         Ok(JobEnv {
             rank,
             world,
@@ -143,9 +108,17 @@ mod tests {
         }
     }
 
+    /// A home directory for the host-local secret of jobs on loopback.
+    fn home() -> &'static str {
+        let d = std::env::temp_dir().join(format!("braid-job-home-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d.to_str().unwrap().to_string().leak()
+    }
+
     #[test]
     fn reads_each_launcher() {
         let s = "00112233445566778899aabbccddeeff";
+        let h = home();
         let j = JobEnv::from_lookup(env(&[
             ("BRAID_RANK", "2"),
             ("BRAID_WORLD_SIZE", "4"),
@@ -155,36 +128,44 @@ mod tests {
         .unwrap();
         assert_eq!((j.rank, j.world, j.source), (2, 4, "braid"));
         assert_eq!(j.id.to_string(), format!("127.0.0.1:2000/{s}"));
-        let t = env(&[
+        let t_vars = [
             ("RANK", "1"),
             ("WORLD_SIZE", "2"),
             ("MASTER_ADDR", "127.0.0.1"),
             ("MASTER_PORT", "29500"),
-        ]);
+            ("HOME", h),
+        ];
+        let t = env(&t_vars);
         let j = JobEnv::from_lookup(&t).unwrap();
         assert_eq!(
             (j.rank, j.world, j.source, j.id.addr().port()),
             (1, 2, "torchrun", 29500)
         );
         // Two ranks of the same job derive the same secret.
-        let t0 = env(&[
+        let t0_vars = [
             ("RANK", "0"),
             ("WORLD_SIZE", "2"),
             ("MASTER_ADDR", "127.0.0.1"),
             ("MASTER_PORT", "29500"),
-        ]);
+            ("HOME", h),
+        ];
+        let t0 = env(&t0_vars);
         assert_eq!(JobEnv::from_lookup(&t0).unwrap().id, j.id);
-        let o = env(&[
+        let o_vars = [
             ("OMPI_COMM_WORLD_RANK", "3"),
             ("OMPI_COMM_WORLD_SIZE", "8"),
             ("BRAID_ROOT", "127.0.0.1:1"),
-        ]);
+            ("HOME", h),
+        ];
+        let o = env(&o_vars);
         assert_eq!(JobEnv::from_lookup(o).unwrap().source, "Open MPI");
-        let s = env(&[
+        let s_vars = [
             ("SLURM_PROCID", "0"),
             ("SLURM_NTASKS", "1"),
             ("BRAID_ROOT", "127.0.0.1:1"),
-        ]);
+            ("HOME", h),
+        ];
+        let s = env(&s_vars);
         assert_eq!(JobEnv::from_lookup(s).unwrap().source, "Slurm");
     }
 

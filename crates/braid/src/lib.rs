@@ -26,6 +26,7 @@ mod job;
 mod probe;
 pub mod recorder;
 mod scope;
+mod secret;
 mod streams;
 pub mod tune;
 pub mod wire;

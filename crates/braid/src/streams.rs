@@ -259,6 +259,28 @@ pub(crate) struct Streams {
     shutdown: AtomicBool,
     progress: Mutex<Option<JoinHandle<()>>>,
     limit: Duration,
+    /// The thread inside a call that issues work ([`thread_token`]; 0 when none): a communicator is
+    /// used by one thread at a time.
+    caller: AtomicU64,
+}
+
+/// A number for the calling thread, unique in the process (never 0).
+fn thread_token() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local!(static TOKEN: u64 = NEXT.fetch_add(1, Ordering::Relaxed));
+    TOKEN.with(|t| *t)
+}
+
+/// A thread's turn at issuing work; nested calls of the same thread (a compressed all-reduce's
+/// collectives) hold none of their own.
+pub(crate) struct Turn<'a>(Option<&'a AtomicU64>);
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        if let Some(c) = self.0 {
+            c.store(0, Ordering::Release);
+        }
+    }
 }
 
 /// The longest a lock holder sleeps on one run before looking at the others again.
@@ -301,6 +323,7 @@ impl Streams {
             shutdown: AtomicBool::new(false),
             progress: Mutex::new(None),
             limit,
+            caller: AtomicU64::new(0),
         }
     }
 
@@ -332,6 +355,47 @@ impl Streams {
             self.sticky.lock().get_or_insert(e.clone());
             self.poisoned.store(true, Ordering::Release);
             self.maps.fail_and_wake();
+        }
+    }
+
+    /// An argument error that only this rank could see (a buffer only the root passes): its peers are
+    /// already in the collective, so the communicator is poisoned on every rank (they fail at once,
+    /// naming this rank) rather than left to pair this rank's next collective with their stale one.
+    /// The caller still gets `e`, the invalid argument.
+    pub(crate) fn poison_one_sided(&self, e: &Error) {
+        let first = Error::Poisoned {
+            rank: self.rank,
+            first: format!(
+                "{e} (an argument error on this rank only; its peers' collective cannot complete)"
+            ),
+        };
+        error!("{first}");
+        self.sticky.lock().get_or_insert(first);
+        self.poisoned.store(true, Ordering::Release);
+        self.maps.fail_and_wake();
+    }
+
+    /// Takes this thread's turn at issuing work. A second thread arriving while another is inside a
+    /// call is refused, and since its peers may already run the op it would have issued (in another
+    /// order than this rank's), the communicator is poisoned on every rank: two threads calling at
+    /// once would otherwise pair ops wrongly and mix data without a word.
+    pub(crate) fn turn(&self) -> Result<Turn<'_>, Error> {
+        let me = thread_token();
+        match self
+            .caller
+            .compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed)
+        {
+            Ok(_) => Ok(Turn(Some(&self.caller))),
+            Err(owner) if owner == me => Ok(Turn(None)),
+            Err(_) => {
+                let e = Error::invalid(format!(
+                    "rank {}: two threads called the communicator at once; a communicator is used by \
+                     one thread at a time (serialise the calls, in the same order on every rank)",
+                    self.rank
+                ));
+                self.poison_one_sided(&e);
+                Err(e)
+            }
         }
     }
 
@@ -403,6 +467,7 @@ impl Streams {
 
     /// Runs `op` on `stream` and waits for it, on this thread.
     pub(crate) fn run_blocking(&self, op: Op, stream: usize) -> Result<(), Error> {
+        let _turn = self.turn()?;
         self.check_stream(stream)?;
         if let Some(e) = self.poisoned() {
             return Err(e);
@@ -464,6 +529,7 @@ impl Streams {
 
     /// Queues `task` on `stream` for the progress thread.
     pub(crate) fn submit(self: &Arc<Self>, task: Arc<Task>, stream: usize) -> Result<(), Error> {
+        let _turn = self.turn()?;
         self.check_stream(stream)?;
         self.push(stream, Item::Op(task));
         self.ensure_progress_thread()?;

@@ -325,3 +325,83 @@ fn the_flight_recorder_shows_what_ran_and_what_failed() {
         rec[2]
     );
 }
+
+#[test]
+fn an_argument_error_only_the_root_sees_fails_every_rank_never_a_wrong_result() {
+    // The root passes a receive buffer of the wrong size; the other rank, which cannot check it, is
+    // already in the reduce. Its message must not be paired with the root's next collective.
+    let start = Instant::now();
+    let results = with_ranks(2, config(20_000), |c| {
+        let send = vec![c.rank() as f32 + 1.0; 4];
+        let first = if c.rank() == 0 {
+            let mut short = vec![0.0f32; 3];
+            c.reduce(&send, &mut short, ReduceOp::Sum, 0)
+        } else {
+            c.reduce(&send, &mut [], ReduceOp::Sum, 0)
+        };
+        // The next collective, of the size of the reduce: the root must not take the other rank's
+        // reduce message for its all-reduce partner's.
+        let mut x = vec![10.0f32; 4];
+        let next = c.all_reduce_in_place(&mut x, ReduceOp::Sum).map(|()| x);
+        (c.rank(), first, next)
+    });
+    for (rank, first, next) in results {
+        if rank == 0 {
+            let e = first.unwrap_err();
+            assert!(
+                e.is_invalid_argument() && e.to_string().contains("receive buffer"),
+                "{e}"
+            );
+            let e = next.expect_err("the root's next collective succeeded after a one-sided error");
+            assert!(matches!(e, Error::Poisoned { .. }), "{e}");
+        } else {
+            // Its reduce may have completed (a non-root only sends); what follows fails, naming rank 0.
+            let e = next.expect_err("the other rank's next collective succeeded");
+            assert!(e.to_string().contains("rank 0"), "{e} (reduce: {first:?})");
+        }
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(15),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
+#[test]
+fn two_threads_calling_one_communicator_at_once_is_an_error_on_every_rank() {
+    let results = with_ranks(2, config(20_000), |c| {
+        let mut second = None;
+        if c.rank() == 1 {
+            // Late, so that rank 0's first call is still waiting when its second thread calls.
+            std::thread::sleep(Duration::from_millis(300));
+            let mut x = vec![1.0f32; 4];
+            // It pairs with rank 0's first call, which is well formed: either result is right.
+            let _ = c.all_reduce_in_place(&mut x, ReduceOp::Sum);
+        } else {
+            std::thread::scope(|s| {
+                let first = s.spawn(|| {
+                    let mut x = vec![1.0f32; 4];
+                    let _ = c.all_reduce_in_place(&mut x, ReduceOp::Sum);
+                });
+                std::thread::sleep(Duration::from_millis(100));
+                let mut y = vec![2.0f32; 4];
+                second = Some(c.all_reduce_in_place(&mut y, ReduceOp::Sum));
+                first.join().unwrap();
+            });
+        }
+        // Whatever comes next fails on every rank, naming the rank that was used wrongly.
+        let mut z = vec![3.0f32; 4];
+        (second, c.all_reduce_in_place(&mut z, ReduceOp::Sum).err())
+    });
+    let e = results[0].0.as_ref().unwrap().as_ref().unwrap_err();
+    assert!(
+        e.is_invalid_argument() && e.to_string().contains("one thread at a time"),
+        "{e}"
+    );
+    for (rank, (_, next)) in results.iter().enumerate() {
+        let e = next
+            .as_ref()
+            .unwrap_or_else(|| panic!("rank {rank}'s next call succeeded"));
+        assert!(e.to_string().contains("rank 0"), "rank {rank}: {e}");
+    }
+}

@@ -23,6 +23,18 @@ impl Communicator {
         Ok(len / dtype.size())
     }
 
+    /// Returns `e`, an argument error that only this rank can see (one about a buffer that only the root
+    /// passes), after poisoning the communicator on every rank: the peers are already in the collective
+    /// and fail at once, naming this rank, instead of pairing this rank's next collective with their
+    /// unfinished one. For bindings that check such arguments themselves (the C ABI's null checks on
+    /// the root).
+    pub fn one_sided(&self, e: Error) -> Error {
+        if self.inner.world > 1 {
+            self.inner.streams.poison_one_sided(&e);
+        }
+        e
+    }
+
     pub(super) fn check_root(&self, root: usize) -> Result<(), Error> {
         if root >= self.inner.world {
             return Err(Error::invalid(format!(
@@ -177,11 +189,11 @@ impl Communicator {
         self.check_root(root)?;
         let count = self.elems(recv.len(), dtype, "receive")?;
         if self.inner.rank == root && send.len() != recv.len() {
-            return Err(Error::invalid(format!(
+            return Err(self.one_sided(Error::invalid(format!(
                 "broadcast: the root's send buffer has {} bytes, its receive buffer {}",
                 send.len(),
                 recv.len()
-            )));
+            ))));
         }
         let send = if self.inner.rank == root {
             In::Buf(send)
@@ -210,11 +222,11 @@ impl Communicator {
         self.check_root(root)?;
         let count = self.elems(send.len(), dtype, "send")?;
         if self.inner.rank == root && recv.len() != send.len() {
-            return Err(Error::invalid(format!(
+            return Err(self.one_sided(Error::invalid(format!(
                 "reduce: the root's receive buffer has {} bytes, its send buffer {}",
                 recv.len(),
                 send.len()
-            )));
+            ))));
         }
         let len = send.len();
         if self.inner.rank == root {
