@@ -75,6 +75,8 @@ pub(crate) fn join(
     deadline: Instant,
 ) -> Result<(Vec<PeerInfo>, Links), Error> {
     if agreed.world == 1 {
+        // Nobody will connect: the listener `UniqueId::new` bound for this id goes now.
+        drop(id.take_listener());
         return Ok((vec![me], Links::Alone));
     }
     if agreed.world > MAX_WORLD {

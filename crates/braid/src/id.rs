@@ -4,9 +4,10 @@ use std::collections::HashMap;
 use std::fmt;
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::str::FromStr;
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 
 use braid_core::Error;
+use parking_lot::Mutex;
 
 /// Names a communicator. Rank 0 listens at [`UniqueId::addr`]; every other rank connects there and must
 /// present the secret. Create one per communicator (on one process) and hand it to every rank, like
@@ -50,10 +51,7 @@ impl UniqueId {
             addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
         }
         let secret = random_secret()?;
-        listeners()
-            .lock()
-            .expect("listener registry")
-            .insert(secret, l);
+        listeners().lock().insert(secret, l);
         Ok(UniqueId { addr, secret })
     }
 
@@ -88,10 +86,7 @@ impl UniqueId {
 
     /// The listener bound by `new`/`listen` in this process, if any.
     pub(crate) fn take_listener(&self) -> Option<TcpListener> {
-        listeners()
-            .lock()
-            .expect("listener registry")
-            .remove(&self.secret)
+        listeners().lock().remove(&self.secret)
     }
 }
 
