@@ -298,8 +298,19 @@ fn peer(
 impl Links {
     /// Waits until every rank has called `barrier(tag)`.
     pub(crate) fn barrier(&mut self, tag: u32, deadline: Instant) -> Result<(), Error> {
+        self.barrier_or_refuse(tag, deadline, Ok(()))
+    }
+
+    /// [`Links::barrier`], where the root may bring a failure of its own (`mine`): then every rank's
+    /// barrier fails with it, so a step only the root takes fails init on every rank.
+    pub(crate) fn barrier_or_refuse(
+        &mut self,
+        tag: u32,
+        deadline: Instant,
+        mine: Result<(), Error>,
+    ) -> Result<(), Error> {
         match self {
-            Links::Alone => Ok(()),
+            Links::Alone => mine,
             Links::Peer(s) => {
                 send(s, &Msg::Barrier(tag), "sending a bootstrap barrier")?;
                 match recv(s, deadline, "waiting for the bootstrap barrier")? {
@@ -311,8 +322,11 @@ impl Links {
                 }
             }
             Links::Root(conns) => {
-                let mut result = Ok(());
+                let mut result = mine;
                 for (i, c) in conns.iter_mut().enumerate() {
+                    if result.is_err() {
+                        break;
+                    }
                     let what = format!("waiting for rank {} at a bootstrap barrier", i + 1);
                     match recv(c, deadline, &what) {
                         Ok(Msg::Barrier(t)) if t == tag => {}
@@ -323,9 +337,6 @@ impl Links {
                             )))
                         }
                         Err(e) => result = Err(e),
-                    }
-                    if result.is_err() {
-                        break;
                     }
                 }
                 // Release everyone, or tell them why not, so no rank waits out its deadline.

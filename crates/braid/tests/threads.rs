@@ -405,3 +405,34 @@ fn two_threads_calling_one_communicator_at_once_is_an_error_on_every_rank() {
         assert!(e.to_string().contains("rank 0"), "rank {rank}: {e}");
     }
 }
+
+#[test]
+fn an_unwritable_topology_dump_fails_init_on_every_rank() {
+    let cfg = Config {
+        topo_dump_file: Some("/nonexistent-braid-dir/topo.json".into()),
+        ..config(20_000)
+    };
+    let id = UniqueId::new().unwrap();
+    let start = Instant::now();
+    let handles: Vec<_> = (0..2)
+        .map(|r| {
+            let (id, cfg) = (id.clone(), cfg.clone());
+            std::thread::spawn(move || Communicator::init(2, r, &id, cfg).err())
+        })
+        .collect();
+    for (r, h) in handles.into_iter().enumerate() {
+        let e = h
+            .join()
+            .unwrap()
+            .unwrap_or_else(|| panic!("rank {r}'s init succeeded"));
+        assert!(
+            e.to_string().contains("BRAID_TOPO_DUMP_FILE"),
+            "rank {r}: {e}"
+        );
+    }
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+}

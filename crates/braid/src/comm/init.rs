@@ -82,11 +82,6 @@ fn choose_topology(
         braid_topo::Topology::from_identities(&ids)
             .map_err(|e| Error::Bootstrap(format!("host identities: {e}")))?
     };
-    if let (0, Some(path)) = (rank, &config.topo_dump_file) {
-        topology
-            .save(path)
-            .map_err(|e| Error::invalid(format!("BRAID_TOPO_DUMP_FILE={}: {e}", path.display())))?;
-    }
     Ok(topology)
 }
 
@@ -245,13 +240,21 @@ impl Communicator {
             debug!(rank, routes = ?router.route_names(), "transports ready");
             router
         };
-        drop(links);
         let abort = Arc::new(AtomicBool::new(false));
         let maps = transport.abort_handle();
-        debug!(rank, world, "communicator ready");
         let routes: Vec<&'static str> = transport.route_names().to_vec();
         let transport = (world > 1).then_some(transport);
         let topology = choose_topology(&config, &table, transport.as_ref(), rank, deadline)?;
+        // Rank 0 writes the topology; if it cannot, init fails on every rank, not on rank 0 alone.
+        let dumped = match (rank, &config.topo_dump_file) {
+            (0, Some(path)) => topology.save(path).map_err(|e| {
+                Error::invalid(format!("BRAID_TOPO_DUMP_FILE={}: {e}", path.display()))
+            }),
+            _ => Ok(()),
+        };
+        links.barrier_or_refuse(2, deadline, dumped)?;
+        drop(links);
+        debug!(rank, world, "communicator ready");
         let hosts = topology.host_groups();
         let link = transport.map(|t| Box::new(t) as Box<dyn Link>);
         let mut executor = Executor::new(rank, world, config.clone(), tuner, link, abort.clone());
