@@ -7,8 +7,6 @@
 
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use braid_core::Error;
@@ -16,7 +14,7 @@ use braid_transport::tcp::same_secret;
 use tracing::{debug, warn};
 
 use crate::id::UniqueId;
-use crate::wire::{read_frame, write_frame, Hello, Msg, PeerInfo, MAX_WORLD};
+use crate::wire::{parse_frame, read_frame, write_frame, Hello, Msg, PeerInfo, MAX_WORLD};
 
 /// Parameters every rank must agree on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,6 +108,21 @@ fn bind_root(id: &UniqueId) -> Result<TcpListener, Error> {
         .map_err(|e| Error::io(format!("rank 0 binding the bootstrap address {addr}"), e))
 }
 
+/// Connections that have not yet said hello, at most: past this the oldest is dropped (a real rank
+/// speaks at once), so idle connections can neither exhaust the root nor keep a rank out.
+const MAX_PENDING: usize = 64;
+
+/// How long a connection may take to say hello.
+const HELLO_WITHIN: Duration = Duration::from_secs(10);
+
+/// A connection to the root that has not said hello yet.
+struct Pending {
+    stream: TcpStream,
+    from: SocketAddr,
+    buf: Vec<u8>,
+    until: Instant,
+}
+
 fn root(
     id: &UniqueId,
     agreed: Agreed,
@@ -120,43 +133,7 @@ fn root(
     listener
         .set_nonblocking(true)
         .map_err(|e| Error::io("bootstrap listener", e))?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let (tx, rx) = mpsc::channel::<(TcpStream, SocketAddr, Result<Msg, Error>)>();
-    let acceptor = {
-        let stop = stop.clone();
-        std::thread::Builder::new()
-            .name("braid-bootstrap".into())
-            .spawn(move || {
-                while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
-                    match listener.accept() {
-                        Ok((mut s, from)) => {
-                            let tx = tx.clone();
-                            let _ = s.set_nonblocking(false);
-                            let _ = s.set_nodelay(true);
-                            // Each connection gets its own reader and at most a few seconds to speak.
-                            let hello_deadline =
-                                deadline.min(Instant::now() + Duration::from_secs(10));
-                            std::thread::spawn(move || {
-                                let m = recv(&mut s, hello_deadline, "reading a hello");
-                                let _ = tx.send((s, from, m));
-                            });
-                        }
-                        Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                            std::thread::sleep(Duration::from_millis(1))
-                        }
-                        Err(e) => {
-                            warn!("bootstrap accept failed: {e}");
-                            std::thread::sleep(Duration::from_millis(10));
-                        }
-                    }
-                }
-            })
-            .map_err(|e| Error::io("starting the bootstrap thread", e))?
-    };
-    let result = collect(agreed, id, me, deadline, &rx);
-    stop.store(true, Ordering::Relaxed);
-    let _ = acceptor.join();
-    let (table, mut conns) = result?;
+    let (table, mut conns) = collect(&listener, agreed, id, me, deadline)?;
     for (i, c) in conns.iter_mut().enumerate() {
         send(
             c,
@@ -167,55 +144,141 @@ fn root(
     Ok((table, Links::Root(conns)))
 }
 
-type Incoming = mpsc::Receiver<(TcpStream, SocketAddr, Result<Msg, Error>)>;
-
+/// Serves the listener on this thread until every rank has said hello: accepts, reads what each
+/// pending connection has sent without blocking, and answers each complete hello.
 fn collect(
+    listener: &TcpListener,
     agreed: Agreed,
     id: &UniqueId,
     me: PeerInfo,
     deadline: Instant,
-    rx: &Incoming,
 ) -> Result<(Vec<PeerInfo>, Vec<TcpStream>), Error> {
     let world = agreed.world;
     let mut infos: Vec<Option<PeerInfo>> = vec![None; world];
     let mut conns: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
     infos[0] = Some(me);
     let mut joined = 1;
+    let mut pending: std::collections::VecDeque<Pending> = Default::default();
+    let mut chunk = vec![0u8; 64 * 1024];
     while joined < world {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let (mut s, from, m) = match rx.recv_timeout(left) {
-            Ok(x) => x,
-            Err(_) => {
-                let missing: Vec<String> = (0..world)
-                    .filter(|r| infos[*r].is_none())
-                    .map(|r| r.to_string())
-                    .collect();
-                return Err(Error::Bootstrap(format!(
-                    "timed out waiting for ranks [{}] to join ({joined} of {world} joined)",
-                    missing.join(", ")
-                )));
+        let now = Instant::now();
+        if now >= deadline {
+            let missing: Vec<String> = (0..world)
+                .filter(|r| infos[*r].is_none())
+                .map(|r| r.to_string())
+                .collect();
+            return Err(Error::Bootstrap(format!(
+                "timed out waiting for ranks [{}] to join ({joined} of {world} joined)",
+                missing.join(", ")
+            )));
+        }
+        let mut busy = false;
+        loop {
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    busy = true;
+                    if stream.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    let _ = stream.set_nodelay(true);
+                    if pending.len() == MAX_PENDING {
+                        if let Some(old) = pending.pop_front() {
+                            warn!(
+                                "bootstrap: {MAX_PENDING} connections have not said hello; dropping the oldest, from {}",
+                                old.from
+                            );
+                        }
+                    }
+                    pending.push_back(Pending {
+                        stream,
+                        from,
+                        buf: Vec::new(),
+                        until: deadline.min(now + HELLO_WITHIN),
+                    });
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    // Out of descriptors, say: the connections already here can still be served.
+                    warn!("bootstrap accept failed: {e}");
+                    break;
+                }
             }
-        };
-        let refusal = match m {
-            Ok(Msg::Hello(h)) => match check_hello(&h, agreed, id, &infos) {
-                Ok(()) => {
-                    let r = h.rank as usize;
-                    debug!("bootstrap: rank {r} joined from {from}");
-                    infos[r] = Some(h.info);
-                    conns[r] = Some(s);
-                    joined += 1;
+        }
+        let mut i = 0;
+        while i < pending.len() {
+            let p = &mut pending[i];
+            let mut closed = None;
+            loop {
+                match std::io::Read::read(&mut p.stream, &mut chunk) {
+                    Ok(0) => {
+                        closed = Some("closed before its hello".to_string());
+                        break;
+                    }
+                    Ok(n) => {
+                        busy = true;
+                        p.buf.extend_from_slice(&chunk[..n]);
+                        if p.buf.len() > 4 + crate::wire::MAX_FRAME {
+                            break;
+                        }
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        closed = Some(e.to_string());
+                        break;
+                    }
+                }
+            }
+            let parsed = parse_frame(&p.buf).map(|(m, _)| m);
+            if parsed.is_none() && closed.is_none() && now < p.until {
+                i += 1;
+                continue;
+            }
+            let Some(Pending {
+                mut stream, from, ..
+            }) = pending.remove(i)
+            else {
+                break;
+            };
+            let refusal = match (parsed, closed) {
+                (Some(Ok(Msg::Hello(h))), _) => match check_hello(&h, agreed, id, &infos) {
+                    Ok(()) => {
+                        let r = h.rank as usize;
+                        debug!("bootstrap: rank {r} joined from {from}");
+                        stream
+                            .set_nonblocking(false)
+                            .map_err(|e| Error::io(format!("the connection of rank {r}"), e))?;
+                        infos[r] = Some(h.info);
+                        conns[r] = Some(stream);
+                        joined += 1;
+                        continue;
+                    }
+                    Err(reason) => reason,
+                },
+                (Some(Ok(other)), _) => {
+                    format!("expected a hello, got message {:?}", other.encode().first())
+                }
+                (Some(Err(e)), _) => format!("malformed message: {e}"),
+                (None, Some(why)) => {
+                    debug!("bootstrap: a connection from {from} {why}");
                     continue;
                 }
-                Err(reason) => reason,
-            },
-            Ok(other) => format!("expected a hello, got message {:?}", other.encode().first()),
-            Err(e) => e.to_string(),
-        };
-        warn!("bootstrap: refused a connection from {from}: {refusal}");
-        let _ = write_frame(&mut s, &Msg::Refused(refusal));
+                (None, None) => format!("no hello within {HELLO_WITHIN:?}"),
+            };
+            warn!("bootstrap: refused a connection from {from}: {refusal}");
+            let _ = stream.set_nonblocking(false);
+            let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+            let _ = write_frame(&mut stream, &Msg::Refused(refusal));
+        }
+        if !busy {
+            std::thread::sleep(Duration::from_micros(500));
+        }
     }
-    let table = infos.into_iter().map(|i| i.expect("all joined")).collect();
-    let conns = conns.drain(1..).map(|c| c.expect("all joined")).collect();
+    let table: Vec<PeerInfo> = infos.into_iter().flatten().collect();
+    let conns: Vec<TcpStream> = conns.drain(1..).flatten().collect();
+    if table.len() != world || conns.len() != world - 1 {
+        return Err(Error::Internal("the bootstrap lost a rank".into()));
+    }
     Ok((table, conns))
 }
 

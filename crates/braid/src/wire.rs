@@ -261,6 +261,22 @@ pub fn write_frame(w: &mut impl Write, msg: &Msg) -> std::io::Result<()> {
     w.flush()
 }
 
+/// The first frame in `buf`, the bytes received so far: `None` while it is incomplete, else the message
+/// and the bytes it took. A length above [`MAX_FRAME`] is an error as soon as the length is in.
+pub fn parse_frame(buf: &[u8]) -> Option<(Result<Msg, DecodeError>, usize)> {
+    let len = u32::from_le_bytes(buf.get(..4)?.try_into().ok()?) as usize;
+    if len > MAX_FRAME {
+        return Some((
+            Err(DecodeError(format!(
+                "frame of {len} bytes exceeds {MAX_FRAME}"
+            ))),
+            buf.len(),
+        ));
+    }
+    let body = buf.get(4..4 + len)?;
+    Some((Msg::decode(body), 4 + len))
+}
+
 /// Reads one frame, refusing lengths above [`MAX_FRAME`] before allocating.
 pub fn read_frame(r: &mut impl Read) -> std::io::Result<Result<Msg, DecodeError>> {
     let mut len = [0u8; 4];
@@ -280,6 +296,23 @@ pub fn read_frame(r: &mut impl Read) -> std::io::Result<Result<Msg, DecodeError>
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn parse_frame_waits_for_the_whole_frame_and_refuses_huge_ones() {
+        let mut frame = Vec::new();
+        write_frame(&mut frame, &Msg::Refused("no".into())).unwrap();
+        frame.extend([9, 9]);
+        for cut in 0..frame.len() - 2 {
+            assert!(parse_frame(&frame[..cut]).is_none(), "{cut} bytes");
+        }
+        let (m, used) = parse_frame(&frame).unwrap();
+        assert_eq!(
+            (m.unwrap(), used),
+            (Msg::Refused("no".into()), frame.len() - 2)
+        );
+        let huge = ((MAX_FRAME + 1) as u32).to_le_bytes();
+        assert!(parse_frame(&huge).unwrap().0.is_err());
+    }
 
     fn info() -> impl Strategy<Value = PeerInfo> {
         (
