@@ -46,4 +46,4 @@ pub use memory::{MemKind, Span};
 pub use registry::{transport_names, transports, TransportChoice};
 pub use router::Router;
 pub use setup::{Connecting, Endpoint, Geometry, Peer, Setup, SetupCtx};
-pub use wait::{peer_alive, peer_stopped, WaitCtx, WaitPolicy};
+pub use wait::{peer_alive, peer_stopped, PeerProcess, WaitCtx, WaitPolicy};

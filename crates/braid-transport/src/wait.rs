@@ -178,28 +178,63 @@ pub(crate) fn wait_until(
 
 /// Sleeps while `*word == seen`, at most `timeout`. Spurious returns are fine: callers re-check.
 pub(crate) fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
-    let ts = libc::timespec {
-        tv_sec: timeout.as_secs() as libc::time_t,
+    let ts = rustix::thread::futex::Timespec {
+        tv_sec: timeout.as_secs() as _,
         tv_nsec: timeout.subsec_nanos() as _,
     };
-    // SAFETY: `word` is a valid, aligned u32 for the duration of the call (it lives in a mapping the
-    // caller keeps alive); FUTEX_WAIT without the private flag works across processes sharing the page.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT,
-            seen,
-            &ts as *const libc::timespec,
-        );
-    }
+    // Not private: the word lives in a mapping shared between processes. An error (the word moved on,
+    // a signal, the timeout) is a wake-up like any other.
+    let _ =
+        rustix::thread::futex::wait(word, rustix::thread::futex::Flags::empty(), seen, Some(&ts));
 }
 
 /// Wakes every process sleeping on `word`.
 pub(crate) fn futex_wake(word: &AtomicU32) {
-    // SAFETY: as in `futex_wait`; waking has no memory effects beyond the syscall.
-    unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+    let _ =
+        rustix::thread::futex::wake(word, rustix::thread::futex::Flags::empty(), i32::MAX as u32);
+}
+
+/// A peer process, watched through a pidfd: unlike a pid, which the system may give to a new process
+/// once the peer is gone, a pidfd names the process it was opened for until it is closed.
+#[derive(Debug)]
+pub struct PeerProcess {
+    pid: u32,
+    /// `None` where pidfds are not available (kernels before 5.3): then `/proc` is asked by pid.
+    fd: Option<std::os::fd::OwnedFd>,
+}
+
+impl PeerProcess {
+    /// Watches process `pid`, which must be the peer now (open it while the peer is known to be alive:
+    /// right after it has spoken).
+    pub fn open(pid: u32) -> PeerProcess {
+        let fd = rustix::process::Pid::from_raw(pid as i32).and_then(|p| {
+            rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok()
+        });
+        PeerProcess { pid, fd }
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Whether it still runs (a zombie counts as gone).
+    pub fn alive(&self) -> bool {
+        match &self.fd {
+            Some(fd) => {
+                // A pidfd turns readable when its process exits.
+                let mut fds = [rustix::event::PollFd::new(fd, rustix::event::PollFlags::IN)];
+                let zero = rustix::event::Timespec {
+                    tv_sec: 0,
+                    tv_nsec: 0,
+                };
+                match rustix::event::poll(&mut fds, Some(&zero)) {
+                    Ok(n) => n == 0,
+                    Err(_) => peer_alive(self.pid),
+                }
+            }
+            None => peer_alive(self.pid),
+        }
     }
 }
 
@@ -224,6 +259,28 @@ mod tests {
         child.kill().unwrap();
         child.wait().unwrap();
         assert!(!peer_stopped(pid) && !peer_alive(pid));
+    }
+
+    #[test]
+    fn a_pidfd_sees_its_process_exit_before_it_is_reaped() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let p = PeerProcess::open(child.id());
+        assert!(p.fd.is_some(), "no pidfd on this kernel");
+        assert!(p.alive());
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGKILL) };
+        let start = std::time::Instant::now();
+        while p.alive() && start.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        // Gone while still a zombie (not reaped): its pid cannot have been reused yet, and the pidfd
+        // would not follow a reused pid anyway.
+        assert!(!p.alive());
+        child.wait().unwrap();
+        assert!(PeerProcess::open(std::process::id()).alive());
     }
 
     #[test]

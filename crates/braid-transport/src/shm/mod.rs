@@ -26,7 +26,9 @@ use memmap2::MmapRaw;
 use crate::link::{check_token, misuse, AbortHandle, Event, Link, LinkId, RecvSlot, SendSlot};
 use crate::memory::Span;
 use crate::setup::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
-use crate::wait::{futex_wake, peer_alive, peer_stopped, wait_until, WaitCtx, WaitPolicy};
+use crate::wait::{
+    futex_wake, peer_alive, peer_stopped, wait_until, PeerProcess, WaitCtx, WaitPolicy,
+};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"BRAIDshm");
 const VERSION: u32 = 2;
@@ -388,6 +390,8 @@ pub struct ShmLink {
     layout: Layout,
     policy: WaitPolicy,
     rings: Vec<Ring>,
+    /// Each peer's process (by pidfd, opened while the peers are known to run: at connection).
+    procs: Vec<Option<PeerProcess>>,
     /// Whether this rank has published a wait in its header.
     blocked: Cell<bool>,
 }
@@ -400,8 +404,13 @@ impl ShmLink {
         let rank = own.owner;
         debug_assert_eq!(peers.len(), layout.world);
         debug_assert!(peers[rank].is_none());
+        let procs = peers
+            .iter()
+            .map(|p| p.as_ref().map(|seg| PeerProcess::open(seg.pid())))
+            .collect();
         ShmLink {
             id: LinkId::new(),
+            procs,
             maps: Arc::new(Mappings { rank, own, peers }),
             layout,
             policy,
@@ -412,14 +421,15 @@ impl ShmLink {
         }
     }
 
-    fn ring(&self, peer: usize, ch: usize) -> Result<&Ring, Error> {
-        if ch >= self.layout.channels || self.peer(peer).is_none() {
-            return Err(misuse(
+    /// The ring to or from `peer` on channel `ch`, and the peer's segment.
+    fn ring(&self, peer: usize, ch: usize) -> Result<(&Ring, &Segment), Error> {
+        match (self.peer(peer), ch < self.layout.channels) {
+            (Some(seg), true) => Ok((&self.rings[peer * self.layout.channels + ch], seg)),
+            _ => Err(misuse(
                 "shm",
                 format!("no ring to rank {peer} on channel {ch}"),
-            ));
+            )),
         }
-        Ok(&self.rings[peer * self.layout.channels + ch])
     }
 
     fn peer(&self, p: usize) -> Option<&Segment> {
@@ -438,7 +448,12 @@ impl ShmLink {
         if seg.failed() {
             return Err(ctx.peer_failed(p, "failed or aborted"));
         }
-        if !peer_alive(seg.pid()) {
+        if !self
+            .procs
+            .get(p)
+            .and_then(Option::as_ref)
+            .map_or_else(|| peer_alive(seg.pid()), PeerProcess::alive)
+        {
             return Err(ctx.peer_failed(p, format!("died (pid {} is gone)", seg.pid())));
         }
         Ok(())
@@ -544,8 +559,7 @@ impl Link for ShmLink {
         ch: usize,
         _ctx: &WaitCtx<'_>,
     ) -> Result<Option<SendSlot>, Error> {
-        let ring = self.ring(peer, ch)?;
-        let seg = self.peer(peer).expect("checked by ring()");
+        let (ring, seg) = self.ring(peer, ch)?;
         if !self.has_credit(ring, seg, ch) {
             return Ok(None);
         }
@@ -563,7 +577,7 @@ impl Link for ShmLink {
     }
 
     fn post(&self, slot: SendSlot, len: usize, tag: u32, _ctx: &WaitCtx<'_>) -> Result<(), Error> {
-        let ring = self.ring(slot.peer, slot.ch)?;
+        let (ring, seg) = self.ring(slot.peer, slot.ch)?;
         check_token(
             "shm",
             self.id,
@@ -582,7 +596,6 @@ impl Link for ShmLink {
             ));
         }
         let me = self.maps.rank;
-        let seg = self.peer(slot.peer).expect("checked by ring()");
         let s = slot.msg;
         let index = (s % self.layout.slots as u32) as usize;
         let hdr = seg.slot_ptr(me, slot.ch, index);
@@ -606,7 +619,7 @@ impl Link for ShmLink {
         ch: usize,
         ctx: &WaitCtx<'_>,
     ) -> Result<Option<RecvSlot>, Error> {
-        let ring = self.ring(peer, ch)?;
+        let (ring, _) = self.ring(peer, ch)?;
         let own = &self.maps.own;
         let r = ring.recvd.get();
         let index = (r % self.layout.slots as u32) as usize;
@@ -645,7 +658,7 @@ impl Link for ShmLink {
     }
 
     fn release(&self, slot: RecvSlot) -> Result<(), Error> {
-        let ring = self.ring(slot.peer, slot.ch)?;
+        let (ring, _) = self.ring(slot.peer, slot.ch)?;
         check_token(
             "shm",
             self.id,
@@ -677,8 +690,7 @@ impl Link for ShmLink {
         ctx: &WaitCtx<'_>,
         until: Instant,
     ) -> Result<(), Error> {
-        let ring = self.ring(peer, ch)?;
-        let seg = self.peer(peer).expect("checked by ring()");
+        let (ring, seg) = self.ring(peer, ch)?;
         let me = self.maps.rank;
         let r = match event {
             Event::Data => {

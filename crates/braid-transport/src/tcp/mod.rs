@@ -23,9 +23,10 @@ use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc};
+
+use parking_lot::Mutex;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -170,7 +171,7 @@ impl TcpEndpoint {
         let mut readers = Vec::new();
         for (p, socks) in inbound_socks.into_iter().enumerate() {
             for (j, s) in socks.into_iter().enumerate() {
-                shared.sockets.lock().expect("socket list").push(
+                shared.sockets.lock().push(
                     s.try_clone()
                         .map_err(|e| Error::io("cloning a socket", e))?,
                 );
@@ -184,7 +185,7 @@ impl TcpEndpoint {
         }
         for o in outbound.iter().flatten() {
             for s in &o.socks {
-                shared.sockets.lock().expect("socket list").push(
+                shared.sockets.lock().push(
                     s.try_clone()
                         .map_err(|e| Error::io("cloning a socket", e))?,
                 );
@@ -467,7 +468,7 @@ impl Inbound {
     }
 
     fn fail(&self, reason: String) {
-        let mut r = self.reason.lock().expect("reason");
+        let mut r = self.reason.lock();
         if !self.failed.load(Ordering::Acquire) {
             *r = reason;
             self.failed.store(true, Ordering::Release);
@@ -490,7 +491,7 @@ struct Shared {
 
 impl Shared {
     fn close_all(&self) {
-        for s in self.sockets.lock().expect("socket list").iter() {
+        for s in self.sockets.lock().iter() {
             let _ = s.shutdown(Shutdown::Both);
         }
         for ib in self.inbound.iter().flatten().flatten() {
@@ -670,7 +671,7 @@ impl TcpLink {
         if let Some(v) = self.shared.inbound.get(peer).and_then(Option::as_ref) {
             for ib in v {
                 if ib.failed.load(Ordering::Acquire) {
-                    let why = ib.reason.lock().expect("reason").clone();
+                    let why = ib.reason.lock().clone();
                     return Err(ctx.peer_failed(peer, why));
                 }
             }
@@ -894,28 +895,15 @@ fn send_all(
 
 /// One `sendmsg` of two buffers, without raising SIGPIPE on a closed connection.
 fn send_vectored(s: &TcpStream, a: &[u8], b: &[u8]) -> std::io::Result<usize> {
-    let iov = [
-        libc::iovec {
-            iov_base: a.as_ptr() as *mut libc::c_void,
-            iov_len: a.len(),
-        },
-        libc::iovec {
-            iov_base: b.as_ptr() as *mut libc::c_void,
-            iov_len: b.len(),
-        },
-    ];
-    // SAFETY: msghdr is plain data; zeroed is a valid empty header, then pointed at `iov`.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
-    msg.msg_iovlen = if b.is_empty() { 1 } else { 2 };
-    // SAFETY: the iovecs point at live slices for the duration of the call, and the kernel only reads
-    // them; the descriptor is open (owned by `s`).
-    let n = unsafe { libc::sendmsg(s.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-    if n < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
-    }
+    let both = [std::io::IoSlice::new(a), std::io::IoSlice::new(b)];
+    let iov = if b.is_empty() { &both[..1] } else { &both[..] };
+    rustix::net::sendmsg(
+        s,
+        iov,
+        &mut rustix::net::SendAncillaryBuffer::default(),
+        rustix::net::SendFlags::NOSIGNAL,
+    )
+    .map_err(std::io::Error::from)
 }
 
 impl Drop for TcpLink {
