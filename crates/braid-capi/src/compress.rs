@@ -98,9 +98,10 @@ pub unsafe extern "C" fn braid_compressor_create(
             let text = unsafe { CStr::from_ptr(codec_spec) }
                 .to_str()
                 .map_err(|_| invalid("codec_spec is not UTF-8"))?;
-            config.codec = text
-                .parse::<CodecSpec>()
-                .map_err(|e| invalid(format!("codec_spec {text:?}: {e}")))?;
+            config.codec = text.parse::<CodecSpec>().map_err(|e| match e {
+                braid_rt::Error::InvalidArgument(m) => invalid(format!("codec_spec: {m}")),
+                other => other,
+            })?;
         }
         match error_feedback {
             -1 => {}

@@ -644,6 +644,31 @@ mod tests {
     }
 
     #[test]
+    fn an_oversized_world_is_an_invalid_argument_naming_the_limit() {
+        let mut id = braid_unique_id {
+            internal: [0; BRAID_UNIQUE_ID_BYTES],
+        };
+        // SAFETY: a valid pointer to writable memory.
+        assert_eq!(
+            unsafe { braid_get_unique_id(&mut id) },
+            braid_result::BRAID_SUCCESS
+        );
+        let mut comm: *mut braid_comm = ptr::null_mut();
+        // SAFETY: valid pointers; a NULL config means the defaults.
+        let rc = unsafe { braid_comm_init_rank(&mut comm, 65_537, id, 1, ptr::null()) };
+        assert_eq!(rc, braid_result::BRAID_INVALID_ARGUMENT);
+        assert!(comm.is_null());
+        // SAFETY: this thread's last error string.
+        let msg = unsafe { CStr::from_ptr(braid_get_last_error_message()) };
+        assert!(
+            msg.to_str()
+                .unwrap()
+                .contains("nranks 65537 exceeds the maximum 65536"),
+            "{msg:?}"
+        );
+    }
+
+    #[test]
     fn unique_ids_round_trip_and_bad_text_is_rejected() {
         let mut id = braid_unique_id {
             internal: [1; BRAID_UNIQUE_ID_BYTES],

@@ -51,7 +51,7 @@ enum Cmd {
         /// Largest size in bytes.
         #[arg(short = 'e', long = "maxbytes", default_value = "64M", value_parser = perf::parse_size)]
         max_bytes: usize,
-        /// Size multiplication factor between steps.
+        /// Size multiplication factor between steps (at least 2).
         #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
         factor: usize,
         /// Timed iterations per size.
@@ -119,7 +119,7 @@ enum Cmd {
         /// Largest size in bytes.
         #[arg(short = 'e', long = "maxbytes", default_value = "64M", value_parser = perf::parse_size)]
         max_bytes: usize,
-        /// Size multiplication factor between steps.
+        /// Size multiplication factor between steps (at least 2).
         #[arg(short = 'f', long = "stepfactor", default_value_t = 2)]
         factor: usize,
         /// Timed iterations per point.
@@ -276,15 +276,20 @@ fn main() {
             iters,
             warmup,
         } => {
-            let args = tune::TuneArgs {
-                min_bytes,
-                max_bytes,
-                factor,
-                iters,
-                warmup,
-                output,
-            };
-            tune_main(&ranks, &args)
+            if let Err(e) = check_factor(factor) {
+                eprintln!("braid tune: {e}");
+                2
+            } else {
+                let args = tune::TuneArgs {
+                    min_bytes,
+                    max_bytes,
+                    factor,
+                    iters,
+                    warmup,
+                    output,
+                };
+                tune_main(&ranks, &args)
+            }
         }
         Cmd::Perf {
             ranks,
@@ -306,6 +311,7 @@ fn main() {
                 if min_bytes > max_bytes {
                     return Err(format!("-b {min_bytes} is larger than -e {max_bytes}"));
                 }
+                check_factor(factor)?;
                 if let Some(list) = algo.as_deref().filter(|a| *a != "all") {
                     for a in list.split(',') {
                         a.parse::<braid::Algo>().map_err(|e| e.to_string())?;
@@ -349,6 +355,16 @@ fn secret_main() -> i32 {
             1
         }
     }
+}
+
+/// The step factor between sizes must grow them: with 0 or 1 a sweep would stop at its first size.
+fn check_factor(factor: usize) -> Result<(), String> {
+    if factor < 2 {
+        return Err(format!(
+            "-f {factor}: the step factor must be at least 2 (for a single size, give -b and -e alike)"
+        ));
+    }
+    Ok(())
 }
 
 fn topo_main() -> i32 {

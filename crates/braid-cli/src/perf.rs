@@ -111,6 +111,11 @@ fn sum_over_ranks(comm: &Communicator, v: u64) -> Result<u64, Error> {
     Ok(x[0])
 }
 
+/// Longest time [`measure_bound`] measures for, whatever `iters` asks: the other ranks wait meanwhile.
+const BOUND_BUDGET: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Seconds per `out = a + b` over `bytes` bytes: the average of at most `iters` runs, fewer when they
+/// would take longer than [`BOUND_BUDGET`] (at least one run).
 fn measure_bound(bytes: usize, iters: usize, dtype: DType) -> f64 {
     let a = vec![1u8; bytes];
     let b = vec![2u8; bytes];
@@ -122,10 +127,15 @@ fn measure_bound(bytes: usize, iters: usize, dtype: DType) -> f64 {
         run(&mut out);
     }
     let t = Instant::now();
-    for _ in 0..iters {
+    let mut done = 0usize;
+    while done < iters.max(1) {
         run(&mut out);
+        done += 1;
+        if t.elapsed() >= BOUND_BUDGET {
+            break;
+        }
     }
-    t.elapsed().as_secs_f64() / iters as f64
+    t.elapsed().as_secs_f64() / done as f64
 }
 
 /// Interleaved timing rounds per algorithm in `--algo all`.
@@ -549,5 +559,19 @@ mod tests {
         assert_eq!(sweep(8, 64, 2), vec![8, 16, 32, 64]);
         assert_eq!(sweep(8, 8, 2), vec![8]);
         assert_eq!(sweep(8, 100, 1), vec![8]);
+    }
+
+    #[test]
+    fn the_memory_bound_takes_its_time_budget_not_its_iterations() {
+        let t = Instant::now();
+        let secs = measure_bound(1 << 20, 20_000, DType::F32);
+        let took = t.elapsed();
+        assert!(secs > 0.0 && secs.is_finite(), "{secs}");
+        // 20000 runs over a MiB take seconds; the budget is 50 ms.
+        assert!(took < std::time::Duration::from_secs(1), "took {took:?}");
+        // Few iterations are all run.
+        let t = Instant::now();
+        assert!(measure_bound(64, 3, DType::F32) > 0.0);
+        assert!(t.elapsed() < BOUND_BUDGET);
     }
 }

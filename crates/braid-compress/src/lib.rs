@@ -47,5 +47,5 @@ pub use feedback::{
     l2_norm, warnings, ErrorFeedback, Staleness, StalenessHistogram, Stats, ADAPTIVE_MIN_DENSITY,
     LAGGING_MIN_DENSITY, STALENESS_BUCKETS,
 };
-pub use spec::{build_codec, BoxedCodec, CodecSpec};
+pub use spec::{build_codec, echo_input, BoxedCodec, CodecSpec};
 pub use wire::{Compressed, Payload};

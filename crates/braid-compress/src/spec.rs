@@ -14,6 +14,21 @@ const ACCEPTED: &str = "none, dense, topk:D, threshold-topk:D, randomk:D, int8, 
                         int8-stochastic:B, sign, sign:B, fp16, bf16, powersgd:R (D a density in (0, 1], B a \
                         block size ≥ 1, R a rank ≥ 1)";
 
+/// The most characters of its input an error message repeats.
+const ECHO_CHARS: usize = 80;
+
+/// `text` quoted for an error message; past 80 characters it is cut, with an ellipsis and
+/// the whole length.
+pub fn echo_input(text: &str) -> String {
+    let n = text.chars().count();
+    if n <= ECHO_CHARS {
+        format!("{text:?}")
+    } else {
+        let head: String = text.chars().take(ECHO_CHARS).collect();
+        format!("{head:?}… ({n} characters)")
+    }
+}
+
 /// Which codec compresses the gradient, with its parameters. Text form: see [`FromStr`](#impl-FromStr-for-CodecSpec).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum CodecSpec {
@@ -108,7 +123,8 @@ impl FromStr for CodecSpec {
         };
         let bad = |why: String| {
             Error::invalid(format!(
-                "compression codec {text:?}: {why}; accepted: {ACCEPTED}"
+                "compression codec {}: {why}; accepted: {ACCEPTED}",
+                echo_input(text)
             ))
         };
         let density = || -> Result<f32, Error> {
@@ -117,11 +133,11 @@ impl FromStr for CodecSpec {
             };
             let d: f32 = a
                 .parse()
-                .map_err(|_| bad(format!("density {a:?} is not a number")))?;
+                .map_err(|_| bad(format!("density {} is not a number", echo_input(a))))?;
             if d > 0.0 && d <= 1.0 {
                 Ok(d)
             } else {
-                Err(bad(format!("density {a} is not in (0, 1]")))
+                Err(bad(format!("density {d} is not in (0, 1]")))
             }
         };
         let block = || -> Result<usize, Error> {
@@ -131,14 +147,18 @@ impl FromStr for CodecSpec {
             match a.parse::<usize>() {
                 Ok(b) if b >= 1 && b <= u32::MAX as usize => Ok(b),
                 _ => Err(bad(format!(
-                    "block size {a:?} is not an integer in 1..={}",
+                    "block size {} is not an integer in 1..={}",
+                    echo_input(a),
                     u32::MAX
                 ))),
             }
         };
         let no_arg = |spec: CodecSpec| match arg {
             None => Ok(spec),
-            Some(a) => Err(bad(format!("{name} takes no parameter, got {a:?}"))),
+            Some(a) => Err(bad(format!(
+                "{name} takes no parameter, got {}",
+                echo_input(a)
+            ))),
         };
         match name {
             "none" | "dense" => no_arg(CodecSpec::Dense),
@@ -169,7 +189,8 @@ impl FromStr for CodecSpec {
                         Ok(r) if r >= 1 && r <= u32::MAX as usize => r,
                         _ => {
                             return Err(bad(format!(
-                                "rank {a:?} is not an integer in 1..={}",
+                                "rank {} is not an integer in 1..={}",
+                                echo_input(a),
                                 u32::MAX
                             )))
                         }
@@ -177,7 +198,9 @@ impl FromStr for CodecSpec {
                 };
                 Ok(CodecSpec::PowerSgd { rank })
             }
-            other => Err(bad(format!("unknown codec {other:?}"))),
+            // Without a parameter the name is the whole input, already shown.
+            _ if arg.is_none() => Err(bad("unknown codec".into())),
+            other => Err(bad(format!("unknown codec {}", echo_input(other)))),
         }
     }
 }

@@ -43,7 +43,7 @@ mod wait;
 
 pub use link::{recv_with, send_bytes, AbortHandle, Event, Link, LinkId, RecvSlot, SendSlot};
 pub use memory::{MemKind, Span};
-pub use registry::{transport_names, transports, TransportChoice};
+pub use registry::{check_world, transport_names, transports, TransportChoice};
 pub use router::Router;
 pub use setup::{Connecting, Endpoint, Geometry, Peer, Setup, SetupCtx};
 pub use wait::{peer_alive, peer_stopped, PeerProcess, WaitCtx, WaitPolicy};

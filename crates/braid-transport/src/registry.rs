@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 
 use braid_core::{Config, Error};
 
-use crate::setup::Transport;
+use crate::setup::{Geometry, Transport};
 
 /// Every transport braid knows, in the order `auto` prefers them.
 const KNOWN: &[&str] = &["shm", "tcp"];
@@ -48,6 +48,29 @@ fn names(setting: &str) -> Result<Vec<&'static str>, Error> {
         )));
     }
     Ok(out)
+}
+
+/// Refuses a geometry whose world is larger than the transports `config` allows can carry: with shared
+/// memory, every rank's segment must stay within [`crate::shm::MAX_SEGMENT_BYTES`]. Nothing is created.
+pub fn check_world(config: &Config, geometry: &Geometry) -> Result<(), Error> {
+    let g = geometry;
+    if g.world <= 1 || !names(&config.transport)?.contains(&"shm") {
+        return Ok(());
+    }
+    let max = crate::shm::max_world(g.channels, g.slots, g.slot_bytes);
+    if g.world > max {
+        return Err(Error::invalid(format!(
+            "nranks {} exceeds the maximum {max} for shared memory: a rank's shared-memory segment holds \
+             {} streams × {} slots × {} bytes per peer and may span at most {} GiB (lower BRAID_STREAMS, \
+             BRAID_SLOTS or BRAID_CHUNK_BYTES, or set BRAID_TRANSPORT=tcp)",
+            g.world,
+            g.channels,
+            g.slots,
+            g.slot_bytes,
+            crate::shm::MAX_SEGMENT_BYTES >> 30
+        )));
+    }
+    Ok(())
 }
 
 /// The transports `config` allows for a communicator of `world` ranks whose root listens at `root`

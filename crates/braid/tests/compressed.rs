@@ -215,6 +215,29 @@ fn lookup<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String
 }
 
 #[test]
+fn long_codec_text_is_cut_in_errors() {
+    let text = "x".repeat(20_000);
+    let e = text.parse::<CodecSpec>().unwrap_err().to_string();
+    let about_input = e.split("; accepted:").next().unwrap_or_default();
+    assert!(
+        about_input.len() < 200 && e.len() < 500,
+        "{} bytes: {e}",
+        e.len()
+    );
+    assert!(e.contains("20000 characters") && e.contains("…"), "{e}");
+    let arg = format!("topk:{}", "9".repeat(5000));
+    let e = arg.parse::<CodecSpec>().unwrap_err().to_string();
+    assert!(e.len() < 700 && e.contains("5005 characters"), "{e}");
+    let e = CompressionConfig::from_lookup(lookup(&[("BRAID_COMPRESS", &text)]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.len() < 700 && e.starts_with("invalid argument: BRAID_COMPRESS="),
+        "{e}"
+    );
+}
+
+#[test]
 fn configuration_from_the_environment() {
     let d = CompressionConfig::from_lookup(lookup(&[])).unwrap();
     assert_eq!(d.codec, CodecSpec::TopK { density: 0.1 });

@@ -97,6 +97,24 @@ impl Layout {
     }
 }
 
+/// The most bytes one rank's segment may span. Every rank maps the segment of each peer on its host, so
+/// this keeps a host's mappings well within a process's address space (and a segment within reason for
+/// `/dev/shm`).
+pub const MAX_SEGMENT_BYTES: usize = 256 << 30;
+
+/// The largest world whose segments, with `channels` rings per peer of `slots` slots of `slot_bytes`
+/// bytes, stay within [`MAX_SEGMENT_BYTES`] (at least 1: a single rank needs no segment).
+pub fn max_world(channels: usize, slots: usize, slot_bytes: usize) -> usize {
+    let probe = Layout {
+        world: 1,
+        channels,
+        slots,
+        slot_bytes,
+    };
+    let per_peer = channels.saturating_mul(probe.channel_stride()).max(1);
+    ((MAX_SEGMENT_BYTES - HEADER) / per_peer).max(1)
+}
+
 /// One rank's inbound segment, mapped into this process.
 pub struct Segment {
     map: MmapRaw,

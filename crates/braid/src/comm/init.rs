@@ -15,7 +15,7 @@ use crate::id::{random_secret, UniqueId};
 use crate::job::JobEnv;
 use crate::streams::Streams;
 use crate::tune::{AlgoPolicy, Tuner, TuningFile};
-use crate::wire::PeerInfo;
+use crate::wire::{PeerInfo, MAX_WORLD};
 
 /// Where the ranks are: the topology file if there is one, else what probing infers if asked, else the
 /// grouping by host identity. Rank 0 writes it to `BRAID_TOPO_DUMP_FILE` if set.
@@ -167,6 +167,11 @@ impl Communicator {
         config: Config,
     ) -> Result<Communicator, Error> {
         init_logging(&config);
+        if world > MAX_WORLD {
+            return Err(Error::invalid(format!(
+                "nranks {world} exceeds the maximum {MAX_WORLD}"
+            )));
+        }
         if world == 0 || rank >= world {
             return Err(Error::invalid(format!(
                 "rank {rank} is out of range for world size {world}"
@@ -201,6 +206,7 @@ impl Communicator {
             slots: config.slots,
             slot_bytes,
         };
+        braid_transport::check_world(&config, &geometry)?;
         let host = config.host_id.clone().unwrap_or_else(host_identity);
         let choice = braid_transport::transports(&config, world, id.addr())?;
         let nonce = random_secret()?;

@@ -110,7 +110,9 @@ impl CompressionConfig {
     /// [`from_env`](Self::from_env) with `lookup` standing in for the environment.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
         let mut c = CompressionConfig::default();
-        let named = |var: &str, v: &str, why: String| Error::invalid(format!("{var}={v:?}: {why}"));
+        let named = |var: &str, v: &str, why: String| {
+            Error::invalid(format!("{var}={}: {why}", braid_compress::echo_input(v)))
+        };
         if let Some(v) = lookup("BRAID_COMPRESS") {
             c.codec = v
                 .parse()

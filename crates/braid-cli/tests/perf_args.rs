@@ -1,0 +1,82 @@
+//! `braid perf` and `braid compress-bench` arguments: what is refused, how briefly, and that the memory
+//! bound measurement does not hold the other ranks up.
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn braid(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_braid"));
+    cmd.args(args).env_remove("BRAID_RANK");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+fn show(o: &Output) -> String {
+    format!(
+        "status {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+#[test]
+fn a_step_factor_below_two_is_refused() {
+    for f in ["0", "1"] {
+        let o = braid(
+            &["perf", "--ranks", "2", "-b", "8", "-e", "64", "-f", f],
+            &[],
+        );
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            o.status.code() == Some(2) && err.contains("-f") && err.contains("at least 2"),
+            "{}",
+            show(&o)
+        );
+        assert!(o.stdout.is_empty(), "it measured something:\n{}", show(&o));
+    }
+}
+
+#[test]
+fn a_long_codec_spec_gives_a_short_error() {
+    let spec = "x".repeat(20_000);
+    let o = braid(&["compress-bench", "--codecs", &spec], &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{}", &err[..err.len().min(500)]);
+    // What the message says about the input is short; the list of accepted forms follows it.
+    let about_input = err.split("; accepted:").next().unwrap_or_default();
+    assert!(
+        about_input.len() < 300 && err.len() < 600,
+        "{} bytes of error, {} before the accepted forms",
+        err.len(),
+        about_input.len()
+    );
+    assert!(err.contains("20000 characters"), "{err}");
+    assert!(err.contains("xxxxxxxx"), "{err}");
+}
+
+#[test]
+fn many_iterations_do_not_time_out_the_ranks_waiting_for_the_memory_bound() {
+    // Rank 0 measures the memory bound while the others wait at a barrier; with -n iterations of it, at
+    // 16 MiB, that wait would outlast a one-second timeout.
+    let start = Instant::now();
+    let o = braid(
+        &[
+            "perf", "--ranks", "2", "-b", "16M", "-e", "16M", "-n", "400", "-w", "0", "-c", "0",
+        ],
+        &[("BRAID_TIMEOUT_MS", "1000")],
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("16777216"),
+        "{}",
+        show(&o)
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(120),
+        "took {:?}",
+        start.elapsed()
+    );
+}
