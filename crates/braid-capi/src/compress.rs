@@ -192,9 +192,10 @@ pub unsafe extern "C" fn braid_all_reduce_compressed(
             c.all_reduce_compressed(unsafe { g.typed_mut::<f32>() }, op, &mut state)?
         } else {
             // An unaligned gradient goes through an aligned copy.
-            // SAFETY: the caller's gradient, readable; the copy ends before it is written.
             let mut copy = vec![0f32; count];
-            bytemuck::cast_slice_mut::<f32, u8>(&mut copy).copy_from_slice(unsafe { g.bytes() });
+            // SAFETY: the caller's gradient, readable; the copy ends before it is written.
+            let bytes = unsafe { g.bytes() };
+            bytemuck::cast_slice_mut::<f32, u8>(&mut copy).copy_from_slice(bytes);
             let report = c.all_reduce_compressed(&mut copy, op, &mut state)?;
             // SAFETY: the caller's gradient, writable, not aliased by `copy`.
             unsafe { g.bytes_mut() }.copy_from_slice(bytemuck::cast_slice(&copy));

@@ -112,8 +112,8 @@ mod tests {
         // SAFETY: as above.
         assert!(unsafe { CStr::from_ptr(last_error_ptr()) }.is_empty());
         set_last_error("a\0b");
-        // SAFETY: as above.
         assert_eq!(
+            // SAFETY: as above.
             unsafe { CStr::from_ptr(last_error_ptr()) }.to_str(),
             Ok("a\\0b")
         );

@@ -589,8 +589,8 @@ mod tests {
     #[test]
     fn config_is_checked_field_by_field() {
         let mut c = std::mem::MaybeUninit::<braid_config>::uninit();
-        // SAFETY: a valid pointer to writable memory.
         assert_eq!(
+            // SAFETY: a valid pointer to writable memory.
             unsafe { braid_config_init(c.as_mut_ptr()) },
             braid_result::BRAID_SUCCESS
         );
@@ -648,8 +648,8 @@ mod tests {
         let mut id = braid_unique_id {
             internal: [0; BRAID_UNIQUE_ID_BYTES],
         };
-        // SAFETY: a valid pointer to writable memory.
         assert_eq!(
+            // SAFETY: a valid pointer to writable memory.
             unsafe { braid_get_unique_id(&mut id) },
             braid_result::BRAID_SUCCESS
         );
@@ -675,8 +675,8 @@ mod tests {
         };
         let e = parse_id(&id).unwrap_err().to_string();
         assert!(e.contains("NUL-terminated"), "{e}");
-        // SAFETY: a valid pointer to writable memory.
         assert_eq!(
+            // SAFETY: a valid pointer to writable memory.
             unsafe { braid_get_unique_id(&mut id) },
             braid_result::BRAID_SUCCESS
         );

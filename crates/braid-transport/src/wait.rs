@@ -1,6 +1,6 @@
 //! Waiting on a word in shared memory: spin, then yield, then futex, with a deadline and liveness checks.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use braid_core::Error;
@@ -162,8 +162,11 @@ pub(crate) fn wait_until(
         if now >= until {
             return Ok(());
         }
-        flag.store(1, Ordering::SeqCst);
-        let seen = word.load(Ordering::SeqCst);
+        // Say we sleep, then look once more: with the fence after the other side's store, either it
+        // sees the flag (and wakes us) or we see its store (and do not sleep).
+        flag.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        let seen = word.load(Ordering::Relaxed);
         if ready() {
             flag.store(0, Ordering::Relaxed);
             return Ok(());

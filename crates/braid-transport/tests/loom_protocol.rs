@@ -3,18 +3,25 @@
 //!
 //! It is the protocol of `shm`, step for step, on loom's atomics:
 //! - the sender has credit for message `s` while `s - consumed < SLOTS`; it writes the slot, stores the
-//!   slot's sequence word (`s + 1`, SeqCst) and, if the receiver has said it sleeps, wakes it;
+//!   slot's sequence word (`s + 1`, Release), and after a SeqCst fence reads whether the receiver has
+//!   said it sleeps, and if so wakes it;
 //! - the receiver has message `r` when the slot's sequence word reads `r + 1` (Acquire); it reads the
-//!   slot in place, stores `consumed = r + 1` (SeqCst) and, if the sender has said it sleeps, wakes it;
-//! - either side, before sleeping, sets its waiting flag (SeqCst), reads the word it sleeps on (SeqCst),
-//!   checks once more, and only then sleeps on that word for as long as it still holds what it read
-//!   (a futex: modelled by a lock and a condition variable, so a wake-up after the check is never lost).
+//!   slot in place, stores `consumed = r + 1` (Release), and after a SeqCst fence wakes the sender if
+//!   it has said it sleeps;
+//! - either side, before sleeping, sets its waiting flag, and after a SeqCst fence reads the word it
+//!   sleeps on, checks once more, and only then sleeps on that word for as long as it still holds what
+//!   it read (a futex: modelled by a lock and a condition variable, so a wake-up after the check is
+//!   never lost).
+//!
+//! The two fences make the store-then-load handshake (Dekker's) correct: at least one side sees the
+//! other's store. They are fences rather than SeqCst accesses because that is what loom can check
+//! (it models SeqCst accesses as AcqRel), and the transport is written the same way.
 //!
 //! A lost wake-up shows as a deadlock, a slot written while the receiver reads it as a data race on
 //! the slot's cell, a message read before it is complete as a wrong value.
 
 use loom::cell::UnsafeCell;
-use loom::sync::atomic::{AtomicU32, Ordering};
+use loom::sync::atomic::{fence, AtomicU32, Ordering};
 use loom::sync::{Arc, Condvar, Mutex};
 
 const SLOTS: u32 = 2;
@@ -73,8 +80,9 @@ impl Ring {
 /// `wait_until` of the transport, without the spinning (which only delays the same steps).
 fn wait_until(word: &AtomicU32, flag: &AtomicU32, futex: &Futex, ready: impl Fn() -> bool) {
     while !ready() {
-        flag.store(1, Ordering::SeqCst);
-        let seen = word.load(Ordering::SeqCst);
+        flag.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        let seen = word.load(Ordering::Relaxed);
         if ready() {
             flag.store(0, Ordering::Relaxed);
             return;
@@ -95,8 +103,9 @@ fn send(ring: &Ring, s: u32) {
     let i = (s % SLOTS) as usize;
     // SAFETY: the slot is the sender's between the receiver's release of it and this post.
     ring.data[i].with_mut(|p| unsafe { *p = 100 + s });
-    ring.seq[i].store(s + 1, Ordering::SeqCst);
-    if ring.recv_waiting.load(Ordering::SeqCst) != 0 {
+    ring.seq[i].store(s + 1, Ordering::Release);
+    fence(Ordering::SeqCst);
+    if ring.recv_waiting.load(Ordering::Relaxed) != 0 {
         ring.seq_futex[i].wake();
     }
 }
@@ -107,8 +116,9 @@ fn recv(ring: &Ring, r: u32) -> u32 {
     wait_until(&ring.seq[i], &ring.recv_waiting, &ring.seq_futex[i], ready);
     // SAFETY: the slot is the receiver's from the post it observed until its release below.
     let v = ring.data[i].with(|p| unsafe { *p });
-    ring.consumed.store(r + 1, Ordering::SeqCst);
-    if ring.send_waiting.load(Ordering::SeqCst) != 0 {
+    ring.consumed.store(r + 1, Ordering::Release);
+    fence(Ordering::SeqCst);
+    if ring.send_waiting.load(Ordering::Relaxed) != 0 {
         ring.consumed_futex.wake();
     }
     v
@@ -117,7 +127,7 @@ fn recv(ring: &Ring, r: u32) -> u32 {
 #[test]
 fn two_slots_three_messages_every_interleaving() {
     let mut model = loom::model::Builder::new();
-    model.preemption_bound = Some(3);
+    model.preemption_bound = Some(4);
     model.check(|| {
         let ring = Arc::new(Ring::new());
         let tx = ring.clone();

@@ -16,7 +16,7 @@ use std::cell::Cell;
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -624,8 +624,15 @@ impl Link for ShmLink {
         }
         ring.posted.set(s.wrapping_add(1));
         let seq = seg.slot_seq(me, slot.ch, index);
-        seq.store(s.wrapping_add(1), Ordering::SeqCst);
-        if seg.ctrl(me, slot.ch, C_RECV_WAITING).load(Ordering::SeqCst) != 0 {
+        seq.store(s.wrapping_add(1), Ordering::Release);
+        // With the fence in `wait_until`: the receiver sees this post, or we see that it sleeps (the
+        // handshake the loom model in tests/loom_protocol.rs checks).
+        fence(Ordering::SeqCst);
+        if seg
+            .ctrl(me, slot.ch, C_RECV_WAITING)
+            .load(Ordering::Relaxed)
+            != 0
+        {
             futex_wake(seq);
         }
         Ok(())
@@ -689,10 +696,12 @@ impl Link for ShmLink {
         ring.released.set(r);
         let own = &self.maps.own;
         own.ctrl(slot.peer, slot.ch, C_CONSUMED)
-            .store(r, Ordering::SeqCst);
+            .store(r, Ordering::Release);
+        // As in `post`: the sender sees the credit, or we see that it sleeps.
+        fence(Ordering::SeqCst);
         if own
             .ctrl(slot.peer, slot.ch, C_SEND_WAITING)
-            .load(Ordering::SeqCst)
+            .load(Ordering::Relaxed)
             != 0
         {
             futex_wake(own.ctrl(slot.peer, slot.ch, C_CONSUMED));
