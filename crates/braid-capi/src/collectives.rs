@@ -271,7 +271,8 @@ pub unsafe extern "C" fn braid_reduce_scatter(
                 });
             }
             // SAFETY: the caller's send buffer, readable; the copy ends before recvbuf is written.
-            let copy = unsafe { s.bytes() }.to_vec();
+            let copy =
+                braid_core::alloc::copied(unsafe { s.bytes() }, "an aligned copy of sendbuf")?;
             // SAFETY: the caller's receive buffer, ours for the call; `copy` is separate memory.
             return c.reduce_scatter_bytes(&copy, unsafe { r.bytes_mut() }, dt, op);
         }
@@ -313,7 +314,8 @@ pub unsafe extern "C" fn braid_all_gather(
                 });
             }
             // SAFETY: the caller's send block, readable; the copy ends before recvbuf is written.
-            let copy = unsafe { s.bytes() }.to_vec();
+            let copy =
+                braid_core::alloc::copied(unsafe { s.bytes() }, "an aligned copy of sendbuf")?;
             // SAFETY: the caller's receive buffer, ours for the call; `copy` is separate memory.
             return c.all_gather_bytes(&copy, unsafe { r.bytes_mut() }, dt);
         }
@@ -360,7 +362,8 @@ pub unsafe extern "C" fn braid_broadcast(
                 });
             }
             // SAFETY: readable; the copy ends before the buffer is written.
-            let copy = unsafe { s.bytes() }.to_vec();
+            let copy =
+                braid_core::alloc::copied(unsafe { s.bytes() }, "an aligned copy of sendbuf")?;
             // SAFETY: the caller's buffer, ours for the call; `copy` is separate memory.
             return c.broadcast_bytes(&copy, unsafe { r.bytes_mut() }, dt, root);
         }
@@ -409,7 +412,8 @@ pub unsafe extern "C" fn braid_reduce(
                 });
             }
             // SAFETY: readable; the copy ends before the buffer is written.
-            let copy = unsafe { s.bytes() }.to_vec();
+            let copy =
+                braid_core::alloc::copied(unsafe { s.bytes() }, "an aligned copy of sendbuf")?;
             // SAFETY: the caller's buffer, ours for the call; `copy` is separate memory.
             return c.reduce_bytes(&copy, unsafe { r.bytes_mut() }, dt, op, root);
         }

@@ -192,7 +192,8 @@ pub unsafe extern "C" fn braid_all_reduce_compressed(
             c.all_reduce_compressed(unsafe { g.typed_mut::<f32>() }, op, &mut state)?
         } else {
             // An unaligned gradient goes through an aligned copy.
-            let mut copy = vec![0f32; count];
+            let mut copy =
+                braid_core::alloc::filled(0f32, count, "an aligned copy of the gradient")?;
             // SAFETY: the caller's gradient, readable; the copy ends before it is written.
             let bytes = unsafe { g.bytes() };
             bytemuck::cast_slice_mut::<f32, u8>(&mut copy).copy_from_slice(bytes);

@@ -37,6 +37,17 @@ pub enum Error {
     /// Two compressed tensors cannot be added in their compressed form.
     #[error("cannot add compressed tensors: {0}")]
     NotSummable(String),
+    /// State for a tensor of the size asked for cannot be allocated.
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
+}
+
+/// `n` zeros for `what`, or [`Error::OutOfMemory`].
+pub(crate) fn zeros<T: Clone + Default>(n: usize, what: &str) -> Result<Vec<T>> {
+    braid_core::alloc::filled(T::default(), n, what).map_err(|e| match e {
+        braid_core::Error::OutOfMemory(m) => Error::OutOfMemory(m),
+        other => Error::OutOfMemory(other.to_string()),
+    })
 }
 
 /// A result of this crate.

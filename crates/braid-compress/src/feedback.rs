@@ -67,6 +67,14 @@ impl Staleness {
         }
     }
 
+    /// [`Staleness::new`] for a length the caller chose: [`Error::OutOfMemory`] instead of an abort
+    /// when the counters cannot be allocated.
+    pub fn try_new(len: usize) -> Result<Self> {
+        Ok(Staleness {
+            counts: crate::error::zeros(len, "staleness counters")?,
+        })
+    }
+
     /// Updates the counters from one step's decompressed update and returns their histogram.
     pub fn observe(&mut self, update: &[f32]) -> Result<StalenessHistogram> {
         if update.len() != self.counts.len() {
@@ -248,6 +256,18 @@ impl ErrorFeedback {
             update: vec![0.0; len],
             staleness: Staleness::new(len),
         }
+    }
+
+    /// [`ErrorFeedback::new`] for a length the caller chose: [`Error::OutOfMemory`] instead of an
+    /// abort when the state cannot be allocated.
+    pub fn try_new(len: usize) -> Result<Self> {
+        Ok(ErrorFeedback {
+            error: crate::error::zeros(len, "error-feedback residual")?,
+            decay: 1.0,
+            clip: None,
+            update: crate::error::zeros(len, "error-feedback update")?,
+            staleness: Staleness::try_new(len)?,
+        })
     }
 
     /// The same bookkeeping (statistics, staleness) with error feedback off (decay 0).

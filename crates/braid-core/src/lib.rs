@@ -14,6 +14,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod alloc;
 mod config;
 mod dtype;
 mod error;

@@ -354,3 +354,22 @@ fn invalid_configurations_are_refused_with_the_reason() {
     assert_eq!(st.config().codec, base.codec);
     assert!(st.last_stats().is_none() && st.shard_error().is_empty());
 }
+
+#[test]
+fn a_compressor_too_big_for_memory_is_an_error_not_an_abort() {
+    // 2^40 elements (4 TiB of residual) is refused by the kernel unless it overcommits without limit;
+    // then 2^45 (beyond the address space) is.
+    let always = std::fs::read_to_string("/proc/sys/vm/overcommit_memory")
+        .map(|s| s.trim() == "1")
+        .unwrap_or(false);
+    let len = if always { 1usize << 45 } else { 1usize << 40 };
+    let cfg = CompressionConfig {
+        codec: "int8".parse().unwrap(),
+        ..CompressionConfig::default()
+    };
+    let e = GradientCompressor::new(cfg, len).unwrap_err();
+    assert!(
+        matches!(&e, braid::Error::OutOfMemory(m) if m.contains("error-feedback")),
+        "{e}"
+    );
+}

@@ -158,7 +158,16 @@ impl Communicator {
     pub fn all_gather_async<T: Element>(&self, send: Vec<T>) -> Work<Vec<T>> {
         let world = self.inner.world;
         let count = send.len();
-        let mut out = vec![T::zeroed(); count * world];
+        let total = match count.checked_mul(world) {
+            Some(n) => braid_core::alloc::filled(T::zeroed(), n, "the all-gather's output"),
+            None => Err(Error::invalid(format!(
+                "all_gather_async: {count} elements × {world} ranks overflows"
+            ))),
+        };
+        let mut out = match total {
+            Ok(v) => v,
+            Err(e) => return self.failed_work(e),
+        };
         out[self.inner.rank * count..(self.inner.rank + 1) * count].copy_from_slice(&send);
         drop(send);
         let es = T::DTYPE.size();

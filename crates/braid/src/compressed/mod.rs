@@ -262,7 +262,10 @@ impl fmt::Debug for GradientCompressor {
 }
 
 fn codec_error(e: braid_compress::Error) -> Error {
-    Error::invalid(e.to_string())
+    match e {
+        braid_compress::Error::OutOfMemory(m) => Error::OutOfMemory(m),
+        e => Error::invalid(e.to_string()),
+    }
 }
 
 /// A well-mixed seed for the second (shard) codec of `rank`, so stochastic rounding of different shards
@@ -303,7 +306,7 @@ impl GradientCompressor {
             step: 0,
             codec,
             ef,
-            staleness: Staleness::new(len),
+            staleness: Staleness::try_new(len).map_err(codec_error)?,
             server: None,
             warm_q: None,
             last: None,
@@ -317,11 +320,10 @@ impl GradientCompressor {
         len: usize,
         clip: Option<f32>,
     ) -> Result<ErrorFeedback, Error> {
-        let mut ef = if config.error_feedback {
-            ErrorFeedback::new(len)
-        } else {
-            ErrorFeedback::disabled(len)
-        };
+        let mut ef = ErrorFeedback::try_new(len).map_err(codec_error)?;
+        if !config.error_feedback {
+            ef = ef.with_decay(0.0).map_err(codec_error)?;
+        }
         if let (true, Some(d)) = (config.error_feedback, config.decay) {
             ef = ef.with_decay(d).map_err(codec_error)?;
         }

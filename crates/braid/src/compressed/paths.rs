@@ -32,9 +32,9 @@ fn stats_for(
     update: &[f32],
     norms: (f64, f32, f64, f64),
     wire_bytes: usize,
-) -> Stats {
-    let staleness = staleness.observe(update).expect("lengths checked");
-    Stats::from_step(update.len(), norms, wire_bytes, staleness)
+) -> Result<Stats, Error> {
+    let staleness = staleness.observe(update).map_err(codec_error)?;
+    Ok(Stats::from_step(update.len(), norms, wire_bytes, staleness))
 }
 
 /// Element ranges of the `n` shards of the two-phase path: block-aligned, so that a shard's encoding is
@@ -47,12 +47,17 @@ fn shards(len: usize, block: usize, n: usize) -> Vec<Range<usize>> {
 }
 
 /// Encoded size of an int8 or sign tensor of `len` elements.
-fn quant_bytes(spec: CodecSpec, len: usize) -> usize {
+fn quant_bytes(spec: CodecSpec, len: usize) -> Result<usize, Error> {
     match spec {
-        CodecSpec::Int8 { block, .. } => HEADER + 4 + 4 * len.div_ceil(block) + len,
-        CodecSpec::Sign { block } => HEADER + 4 + 4 * len.div_ceil(block) + len.div_ceil(8),
-        _ => unreachable!("two-phase codecs only"),
+        CodecSpec::Int8 { block, .. } => Ok(HEADER + 4 + 4 * len.div_ceil(block) + len),
+        CodecSpec::Sign { block } => Ok(HEADER + 4 + 4 * len.div_ceil(block) + len.div_ceil(8)),
+        other => Err(internal(format!("{other} on the two-phase path"))),
     }
+}
+
+/// A broken invariant of the compressed paths (a bug), as an error rather than a panic.
+fn internal(what: String) -> Error {
+    Error::Internal(format!("compressed all-reduce: {what}"))
 }
 
 /// The scales of the block-aligned element `range` (none for an empty one).
@@ -62,7 +67,7 @@ fn block_range(range: &Range<usize>, block: usize) -> Range<usize> {
 }
 
 /// The part of an int8 or sign tensor covering the block-aligned `range`.
-fn slice_quant(c: &Compressed, range: &Range<usize>) -> Compressed {
+fn slice_quant(c: &Compressed, range: &Range<usize>) -> Result<Compressed, Error> {
     let payload = match c.payload() {
         Payload::Int8 {
             block,
@@ -92,9 +97,14 @@ fn slice_quant(c: &Compressed, range: &Range<usize>) -> Compressed {
                 bits: out,
             }
         }
-        other => unreachable!("two-phase payloads only, got {}", other.kind_name()),
+        other => {
+            return Err(internal(format!(
+                "a {} payload on the two-phase path",
+                other.kind_name()
+            )))
+        }
     };
-    Compressed::new(range.len(), payload).expect("a block-aligned slice of a valid tensor is valid")
+    Compressed::new(range.len(), payload).map_err(|e| internal(format!("a shard's slice: {e}")))
 }
 
 fn fnv(b: &[u8]) -> u64 {
@@ -135,7 +145,7 @@ impl Communicator {
         }
         let spec = state.config.codec;
         let (stats, path, sent) = if len == 0 {
-            let stats = stats_for(&mut state.staleness, &[], (0.0, 1.0, 0.0, 0.0), 0);
+            let stats = stats_for(&mut state.staleness, &[], (0.0, 1.0, 0.0, 0.0), 0)?;
             (stats, spec.nominal_path(), 0)
         } else {
             match spec.nominal_path() {
@@ -271,7 +281,7 @@ impl Communicator {
             grad,
             (grad_norm, scale, residual_norm, 0.0),
             4 * grad.len(),
-        );
+        )?;
         self.all_reduce_in_place(grad, op)?;
         let sent = self.all_reduce_sent(grad.len(), DType::F32);
         Ok((stats, CompressedPath::Dense, sent))
@@ -283,7 +293,10 @@ impl Communicator {
         state: &mut GradientCompressor,
     ) -> Result<(Stats, CompressedPath, u64), Error> {
         let len = grad.len();
-        let codec = state.codec.as_mut().expect("sum-closed codec");
+        let codec = state
+            .codec
+            .as_mut()
+            .ok_or_else(|| internal("the sum-closed path without a codec".into()))?;
         let (c, stats) = state
             .ef
             .step(grad, &mut **codec, state.step)
@@ -311,7 +324,12 @@ impl Communicator {
                     .map_err(codec_error)?;
                 self.all_reduce_sent(k, DType::F32)
             }
-            other => unreachable!("sum-closed codec produced {}", other.kind_name()),
+            other => {
+                return Err(internal(format!(
+                    "a sum-closed codec produced {}",
+                    other.kind_name()
+                )))
+            }
         };
         Ok((stats, CompressedPath::SumClosed, sent))
     }
@@ -322,7 +340,10 @@ impl Communicator {
         state: &mut GradientCompressor,
     ) -> Result<(Stats, CompressedPath, u64), Error> {
         let CodecSpec::PowerSgd { rank } = state.config.codec else {
-            unreachable!("PowerSGD only")
+            return Err(internal(format!(
+                "{} on the PowerSGD path",
+                state.config.codec
+            )));
         };
         let len = grad.len();
         let (rows, cols, r) = matrix_shape(len, None, rank);
@@ -376,7 +397,7 @@ impl Communicator {
             grad,
             (grad_norm, scale, residual_norm, error_norm),
             wire_bytes,
-        );
+        )?;
         shape(p, q_sum.clone())?
             .decompress(grad)
             .map_err(codec_error)?;
@@ -390,14 +411,22 @@ impl Communicator {
         state: &mut GradientCompressor,
     ) -> Result<(Stats, CompressedPath, u64), Error> {
         let (n, len) = (self.world_size(), grad.len());
-        let codec = state.codec.as_mut().expect("sparse codec");
+        let codec = state
+            .codec
+            .as_mut()
+            .ok_or_else(|| internal("the sparse path without a codec".into()))?;
         let (c, stats) = state
             .ef
             .step(grad, &mut **codec, state.step)
             .map_err(codec_error)?;
         let nnz = match c.payload() {
             Payload::Sparse { indices, .. } => indices.len(),
-            other => unreachable!("sparse codec produced {}", other.kind_name()),
+            other => {
+                return Err(internal(format!(
+                    "a sparse codec produced {}",
+                    other.kind_name()
+                )))
+            }
         };
         let mut counts = vec![0u64; n];
         self.all_gather(&[nnz as u64], &mut counts)?;
@@ -423,7 +452,7 @@ impl Communicator {
         let block = bytes(counts.iter().copied().max().unwrap_or(0));
         let mut mine = c.encode();
         mine.resize(block, 0);
-        let mut all = vec![0u8; n * block];
+        let mut all = ranks_times(n, block, "the gathered sparse tensors")?;
         self.all_gather_bytes(&mine, &mut all, DType::U8)?;
         sent += self.gather_sent(block);
         grad.fill(0.0);
@@ -457,31 +486,33 @@ impl Communicator {
         let (block, kind) = match spec {
             CodecSpec::Int8 { block, .. } => (block, "int8"),
             CodecSpec::Sign { block } => (block, "sign"),
-            _ => unreachable!("two-phase codecs only"),
+            other => return Err(internal(format!("{other} on the two-phase path"))),
         };
-        let codec = state.codec.as_mut().expect("two-phase codec");
+        let codec = state
+            .codec
+            .as_mut()
+            .ok_or_else(|| internal("the two-phase path without a codec".into()))?;
         let (c, stats) = state
             .ef
             .step(grad, &mut **codec, state.step)
             .map_err(codec_error)?;
         let parts = shards(len, block, n);
-        let slot = parts
-            .iter()
-            .map(|s| quant_bytes(spec, s.len()))
-            .max()
-            .unwrap_or(0);
+        let mut slot = 0;
+        for s in &parts {
+            slot = slot.max(quant_bytes(spec, s.len())?);
+        }
         // Phase 1: shard j of the compressed residual goes to rank j.
-        let mut send = vec![0u8; n * slot];
+        let mut send = ranks_times(n, slot, "the compressed shards to send")?;
         for (j, s) in parts.iter().enumerate() {
-            let e = slice_quant(&c, s).encode();
+            let e = slice_quant(&c, s)?.encode();
             send[j * slot..j * slot + e.len()].copy_from_slice(&e);
         }
-        let mut recv = vec![0u8; n * slot];
+        let mut recv = ranks_times(n, slot, "the compressed shards received")?;
         self.all_to_all_bytes(&send, &mut recv, DType::U8)?;
         let mut sent = self.gather_sent(slot);
         let step = state.step;
         let decode = |bytes: &[u8], want: usize, p: usize| -> Result<Compressed, Error> {
-            let got = Compressed::decode_for(&bytes[..quant_bytes(spec, want)], want)
+            let got = Compressed::decode_for(&bytes[..quant_bytes(spec, want)?], want)
                 .map_err(|e| self.mismatch(p, step, format!("rank {p}'s {kind} shard: {e}")))?;
             let ok = match got.payload() {
                 Payload::Int8 { block: b, .. } => kind == "int8" && *b as usize == block,
@@ -511,19 +542,21 @@ impl Communicator {
         // Re-compress it with the shard's own error buffer.
         let stale = !matches!(&state.server, Some((w, r, _, ef)) if (*w, *r, ef.len()) == (n, me, own.len()));
         if stale {
-            let server_codec =
-                build_codec(spec, shard_seed(state.config.seed, me))?.expect("two-phase codec");
+            let server_codec = build_codec(spec, shard_seed(state.config.seed, me))?
+                .ok_or_else(|| internal(format!("{spec} builds no codec")))?;
             let ef = GradientCompressor::error_feedback(&state.config, own.len(), None)?;
             state.server = Some((n, me, server_codec, ef));
         }
-        let (_, _, server_codec, server_ef) = state.server.as_mut().expect("just made");
+        let Some((_, _, server_codec, server_ef)) = state.server.as_mut() else {
+            return Err(internal("the shard's codec is missing".into()));
+        };
         let (shard, _) = server_ef
             .step(&sum, &mut **server_codec, state.step)
             .map_err(codec_error)?;
         // Phase 2: every rank gets every compressed shard and decodes the same bytes.
         let mut mine = shard.encode();
         mine.resize(slot, 0);
-        let mut all = vec![0u8; n * slot];
+        let mut all = ranks_times(n, slot, "the gathered compressed shards")?;
         self.all_gather_bytes(&mine, &mut all, DType::U8)?;
         sent += self.gather_sent(slot);
         for (p, s) in parts.iter().enumerate() {
@@ -533,4 +566,13 @@ impl Communicator {
         }
         Ok((stats, CompressedPath::TwoPhase, sent))
     }
+}
+
+/// A zeroed buffer of `n` blocks of `block` bytes (sizes that peers' counts decide): an error, not an
+/// abort, when it is too big.
+fn ranks_times(n: usize, block: usize, what: &str) -> Result<Vec<u8>, Error> {
+    let total = n
+        .checked_mul(block)
+        .ok_or_else(|| Error::OutOfMemory(format!("{what}: {n} × {block} bytes overflows")))?;
+    braid_core::alloc::filled(0u8, total, what)
 }
