@@ -7,6 +7,7 @@ mod launch;
 mod perf;
 mod plot;
 mod progress;
+mod soak;
 mod tune;
 
 use std::ffi::OsString;
@@ -27,6 +28,20 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Many collectives of changing kinds and sizes, every result checked exactly, with descriptors and
+    /// resident memory compared after a warm-up and at the end (exit 3 on a wrong result or growth).
+    /// Runs N local ranks (--ranks), or one rank of a launcher's job.
+    Soak {
+        /// Local ranks to start (default 2 when not started by a launcher).
+        #[arg(long)]
+        ranks: Option<usize>,
+        /// Collectives per rank.
+        #[arg(short = 'n', long = "iters", default_value_t = 10_000)]
+        iters: u64,
+        /// Largest message in f32 elements.
+        #[arg(long = "max-elems", default_value_t = 262_147)]
+        max_elems: usize,
+    },
     /// Print a fresh random communicator secret (32 hex digits) for BRAID_SECRET or BRAID_SECRET_FILE,
     /// for jobs whose launcher (torchrun, mpirun, srun) makes none.
     Secret,
@@ -242,6 +257,11 @@ fn main() {
         Cmd::Run { n, command } => launch::run(n, &command[0], &command[1..], &[]),
         Cmd::Topo => topo_main(),
         Cmd::Secret => secret_main(),
+        Cmd::Soak {
+            ranks,
+            iters,
+            max_elems,
+        } => soak_main(ranks, &soak::SoakArgs { iters, max_elems }),
         Cmd::CompressBench {
             ranks,
             size,
@@ -403,6 +423,25 @@ fn topo_main() -> i32 {
             }
         }
     }
+}
+
+fn soak_main(ranks: Option<usize>, args: &soak::SoakArgs) -> i32 {
+    as_ranks("soak", ranks, |comm| {
+        let r = soak::run(comm, args)?;
+        println!(
+            "rank {}: {} collectives in {:.1} s, {} wrong; descriptors {} -> {}; resident memory {} -> {} KiB{}",
+            comm.rank(),
+            r.ops,
+            r.seconds,
+            r.wrong,
+            r.fds.0,
+            r.fds.1,
+            r.rss_kib.0,
+            r.rss_kib.1,
+            if r.clean() { "" } else { "  NOT CLEAN" }
+        );
+        Ok(if r.clean() { 0 } else { 3 })
+    })
 }
 
 fn perf_main(ranks: Option<usize>, args: &perf::PerfArgs) -> i32 {
