@@ -24,7 +24,7 @@ use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 use std::thread::JoinHandle;
@@ -310,9 +310,12 @@ fn accept_all(
     listener
         .set_nonblocking(true)
         .map_err(|e| Error::io("configuring the TCP listener", e))?;
-    let (tx, rx) = mpsc::channel::<(TcpStream, Result<Hello, String>)>();
+    // Connections that have not said hello yet, served from this loop (no thread per connection);
+    // past the bound the oldest goes, so idle connections cannot keep a peer out.
+    let mut pending: VecDeque<PendingHello> = VecDeque::new();
     while have < expected {
-        if Instant::now() >= deadline {
+        let now = Instant::now();
+        if now >= deadline {
             let missing: Vec<String> = got
                 .iter()
                 .enumerate()
@@ -325,25 +328,75 @@ fn accept_all(
                 missing.join(", ")
             )));
         }
-        match listener.accept() {
-            Ok((s, from)) => {
-                let tx = tx.clone();
-                let hello_deadline = (Instant::now() + HELLO_DEADLINE).min(deadline);
-                let _ = std::thread::Builder::new()
-                    .name("braid-hello".into())
-                    .spawn(move || {
-                        let h = read_hello(&s, hello_deadline).map_err(|e| format!("{from}: {e}"));
-                        let _ = tx.send((s, h));
+        let mut busy = false;
+        loop {
+            match listener.accept() {
+                Ok((s, from)) => {
+                    busy = true;
+                    if s.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    if pending.len() == MAX_PENDING_HELLOS {
+                        if let Some(old) = pending.pop_front() {
+                            warn!(
+                                rank = opts.rank,
+                                "{MAX_PENDING_HELLOS} TCP connections have not said hello; dropping the oldest, from {}",
+                                old.from
+                            );
+                        }
+                    }
+                    pending.push_back(PendingHello {
+                        stream: s,
+                        from,
+                        buf: [0; frame::HELLO_LEN],
+                        got: 0,
+                        until: (now + HELLO_DEADLINE).min(deadline),
                     });
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    warn!("accepting a TCP connection failed: {e}");
+                    break;
+                }
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-            Err(e) => warn!("accepting a TCP connection failed: {e}"),
         }
-        while let Ok((s, h)) = rx.recv_timeout(Duration::from_millis(2)) {
-            let h = match h.and_then(|h| check_hello(&h, &opts, remote).map(|_| h)) {
+        let mut i = 0;
+        while i < pending.len() {
+            let p = &mut pending[i];
+            let outcome = loop {
+                if p.got == p.buf.len() {
+                    break Some(Hello::decode(&p.buf));
+                }
+                match (&p.stream).read(&mut p.buf[p.got..]) {
+                    Ok(0) => break Some(Err("closed before saying hello".into())),
+                    Ok(n) => {
+                        busy = true;
+                        p.got += n;
+                    }
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                        break (now >= p.until).then(|| Err("no hello before the deadline".into()))
+                    }
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) => break Some(Err(e.to_string())),
+                }
+            };
+            let Some(hello) = outcome else {
+                i += 1;
+                continue;
+            };
+            let Some(PendingHello {
+                stream: s, from, ..
+            }) = pending.remove(i)
+            else {
+                break;
+            };
+            let h = match hello.and_then(|h| check_hello(&h, &opts, remote).map(|_| h)) {
                 Ok(h) => h,
                 Err(e) => {
-                    warn!(rank = opts.rank, "refused a TCP connection: {e}");
+                    warn!(
+                        rank = opts.rank,
+                        "refused a TCP connection from {from}: {e}"
+                    );
                     continue;
                 }
             };
@@ -360,36 +413,34 @@ fn accept_all(
             }
             *slot = Some(s);
             have += 1;
-            if have == expected {
-                break;
-            }
+        }
+        if !busy && have < expected {
+            std::thread::sleep(Duration::from_micros(500));
         }
     }
-    Ok(got
-        .into_iter()
-        .map(|v| v.into_iter().map(|s| s.expect("all accepted")).collect())
-        .collect())
+    let mut all = Vec::with_capacity(got.len());
+    for (p, v) in got.into_iter().enumerate() {
+        let socks: Option<Vec<TcpStream>> = v.into_iter().collect();
+        all.push(socks.ok_or_else(|| {
+            Error::Internal(format!(
+                "rank {}: a connection from rank {p} was lost",
+                opts.rank
+            ))
+        })?);
+    }
+    Ok(all)
 }
 
-fn read_hello(s: &TcpStream, deadline: Instant) -> Result<Hello, String> {
-    let mut s = s;
-    let mut b = [0u8; frame::HELLO_LEN];
-    let mut got = 0;
-    while got < b.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err("no hello before the deadline".into());
-        }
-        s.set_read_timeout(Some(left)).map_err(|e| e.to_string())?;
-        match s.read(&mut b[got..]) {
-            Ok(0) => return Err("closed before saying hello".into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(e.to_string()),
-        }
-    }
-    s.set_read_timeout(None).map_err(|e| e.to_string())?;
-    Hello::decode(&b)
+/// At most this many connections wait for their hello at once.
+const MAX_PENDING_HELLOS: usize = 64;
+
+/// A connection that has not said hello yet.
+struct PendingHello {
+    stream: TcpStream,
+    from: SocketAddr,
+    buf: [u8; frame::HELLO_LEN],
+    got: usize,
+    until: Instant,
 }
 
 /// Slot memory written by reader threads and read by the executor, one slot at a time by protocol.

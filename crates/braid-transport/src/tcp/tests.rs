@@ -240,3 +240,38 @@ fn a_missing_peer_is_named_at_setup() {
         .unwrap_err();
     assert!(e.to_string().contains("rank(s) 1"), "{e}");
 }
+
+#[test]
+fn a_hundred_silent_connections_cost_no_threads_and_keep_no_peer_out() {
+    let threads = || std::fs::read_dir("/proc/self/task").unwrap().count();
+    let eps: Vec<TcpEndpoint> = (0..2)
+        .map(|_| TcpEndpoint::bind(IpAddr::V4(Ipv4Addr::LOCALHOST)).unwrap())
+        .collect();
+    let addrs: Vec<SocketAddr> = eps.iter().map(|e| e.addr()).collect();
+    // More than the accept loop keeps pending, so the oldest are dropped as the peer arrives.
+    let silent: Vec<TcpStream> = (0..100)
+        .map(|_| TcpStream::connect(addrs[0]).unwrap())
+        .collect();
+    let base = threads();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut eps = eps.into_iter();
+    let ep0 = eps.next().unwrap();
+    let ep1 = eps.next().unwrap();
+    let (p0, p1) = (vec![None, Some(addrs[1])], vec![Some(addrs[0]), None]);
+    let t0 = std::thread::spawn(move || ep0.connect(opts(0, 2, 1, 4096), &p0, deadline));
+    std::thread::sleep(Duration::from_millis(200));
+    // Other tests of this binary run threads too: a thread per connection would be 100 more.
+    let during = threads();
+    assert!(
+        during < base + 40,
+        "{base} threads before, {during} while accepting"
+    );
+    let t1 = std::thread::spawn(move || ep1.connect(opts(1, 2, 1, 4096), &p1, deadline));
+    let (l0, l1) = (t0.join().unwrap().unwrap(), t1.join().unwrap().unwrap());
+    let abort = AtomicBool::new(false);
+    let c = ctx(0, &abort, Duration::from_secs(10));
+    send_bytes(&l1, 0, 1, b"xyz", 5, &c).unwrap();
+    let got = recv_with(&l0, 1, 1, &c, |d, t| (d.to_vec(), t)).unwrap();
+    assert_eq!(got, (b"xyz".to_vec(), 5));
+    drop(silent);
+}
