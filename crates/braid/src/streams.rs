@@ -713,7 +713,11 @@ impl Streams {
             self.queued.notify_all();
         }
         if let Some(h) = self.progress.lock().take() {
-            let _ = h.join();
+            // The last handle may go in a completion callback, on the progress thread itself: it ends
+            // on its own once it sees the shutdown, and joining it from itself could panic.
+            if h.thread().id() != std::thread::current().id() {
+                let _ = h.join();
+            }
         }
     }
 }

@@ -78,3 +78,21 @@ fn hundreds_of_idle_connections_neither_cost_threads_nor_keep_a_rank_out() {
     assert_eq!(y, vec![2.0; 4]);
     drop(idle);
 }
+
+#[test]
+fn the_last_handle_may_go_in_a_completion_callback() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let c = Communicator::init(1, 0, &UniqueId::new().unwrap(), Config::default()).unwrap();
+    let work = c.all_reduce_async(vec![1.0f32; 1 << 16], braid::ReduceOp::Sum);
+    let (tx, rx) = std::sync::mpsc::channel();
+    // The communicator is dropped on whichever thread completes the op: the progress thread, which
+    // must not try to join itself.
+    work.on_complete(move |r| {
+        drop(c);
+        let _ = tx.send(r.is_ok());
+    });
+    assert_eq!(
+        rx.recv_timeout(std::time::Duration::from_secs(20)),
+        Ok(true)
+    );
+}
