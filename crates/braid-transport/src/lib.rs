@@ -31,6 +31,7 @@
 //! assert_eq!(got, (b"hello".to_vec(), 7));
 //! ```
 
+pub mod greet;
 mod link;
 pub mod mem;
 pub mod memory;

@@ -10,11 +10,14 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use braid_core::Error;
+use braid_transport::greet::{Greeted, Greeter};
 use braid_transport::tcp::same_secret;
 use tracing::{debug, warn};
 
 use crate::id::UniqueId;
-use crate::wire::{parse_frame, read_frame, write_frame, Hello, Msg, PeerInfo, MAX_WORLD};
+use crate::wire::{
+    parse_frame, read_frame, write_frame, Hello, Msg, PeerInfo, MAX_FRAME, MAX_WORLD,
+};
 
 /// Parameters every rank must agree on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,12 +118,20 @@ const MAX_PENDING: usize = 64;
 /// How long a connection may take to say hello.
 const HELLO_WITHIN: Duration = Duration::from_secs(10);
 
-/// A connection to the root that has not said hello yet.
-struct Pending {
-    stream: TcpStream,
-    from: SocketAddr,
-    buf: Vec<u8>,
-    until: Instant,
+/// Bytes still missing from the frame that starts `buf` (0 once it is whole, or once its length is
+/// seen to be too large).
+fn frame_remaining(buf: &[u8]) -> usize {
+    match buf.get(..4) {
+        None => 4 - buf.len(),
+        Some(l) => {
+            let len = u32::from_le_bytes([l[0], l[1], l[2], l[3]]) as usize;
+            if len > MAX_FRAME {
+                0
+            } else {
+                (4 + len).saturating_sub(buf.len())
+            }
+        }
+    }
 }
 
 fn root(
@@ -158,8 +169,7 @@ fn collect(
     let mut conns: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
     infos[0] = Some(me);
     let mut joined = 1;
-    let mut pending: std::collections::VecDeque<Pending> = Default::default();
-    let mut chunk = vec![0u8; 64 * 1024];
+    let mut greeter = Greeter::new("bootstrap", MAX_PENDING, HELLO_WITHIN);
     while joined < world {
         let now = Instant::now();
         if now >= deadline {
@@ -172,82 +182,18 @@ fn collect(
                 missing.join(", ")
             )));
         }
-        let mut busy = false;
-        loop {
-            match listener.accept() {
-                Ok((stream, from)) => {
-                    busy = true;
-                    if stream.set_nonblocking(true).is_err() {
-                        continue;
-                    }
-                    let _ = stream.set_nodelay(true);
-                    if pending.len() == MAX_PENDING {
-                        if let Some(old) = pending.pop_front() {
-                            warn!(
-                                "bootstrap: {MAX_PENDING} connections have not said hello; dropping the oldest, from {}",
-                                old.from
-                            );
-                        }
-                    }
-                    pending.push_back(Pending {
-                        stream,
-                        from,
-                        buf: Vec::new(),
-                        until: deadline.min(now + HELLO_WITHIN),
-                    });
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) => {
-                    // Out of descriptors, say: the connections already here can still be served.
-                    warn!("bootstrap accept failed: {e}");
-                    break;
-                }
-            }
-        }
-        let mut i = 0;
-        while i < pending.len() {
-            let p = &mut pending[i];
-            let mut closed = None;
-            loop {
-                match std::io::Read::read(&mut p.stream, &mut chunk) {
-                    Ok(0) => {
-                        closed = Some("closed before its hello".to_string());
-                        break;
-                    }
-                    Ok(n) => {
-                        busy = true;
-                        p.buf.extend_from_slice(&chunk[..n]);
-                        if p.buf.len() > 4 + crate::wire::MAX_FRAME {
-                            break;
-                        }
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                    Err(e) => {
-                        closed = Some(e.to_string());
-                        break;
-                    }
-                }
-            }
-            let parsed = parse_frame(&p.buf).map(|(m, _)| m);
-            if parsed.is_none() && closed.is_none() && now < p.until {
-                i += 1;
-                continue;
-            }
-            let Some(Pending {
-                mut stream, from, ..
-            }) = pending.remove(i)
-            else {
-                break;
-            };
-            let refusal = match (parsed, closed) {
-                (Some(Ok(Msg::Hello(h))), _) => match check_hello(&h, agreed, id, &infos) {
+        let (greeted, busy) = greeter.poll(listener, now, deadline, frame_remaining);
+        for Greeted {
+            mut stream,
+            from,
+            first,
+        } in greeted
+        {
+            let refusal = match first.map(|b| parse_frame(&b).map(|(m, _)| m)) {
+                Ok(Some(Ok(Msg::Hello(h)))) => match check_hello(&h, agreed, id, &infos) {
                     Ok(()) => {
                         let r = h.rank as usize;
                         debug!("bootstrap: rank {r} joined from {from}");
-                        stream
-                            .set_nonblocking(false)
-                            .map_err(|e| Error::io(format!("the connection of rank {r}"), e))?;
                         infos[r] = Some(h.info);
                         conns[r] = Some(stream);
                         joined += 1;
@@ -255,15 +201,15 @@ fn collect(
                     }
                     Err(reason) => reason,
                 },
-                (Some(Ok(other)), _) => {
+                Ok(Some(Ok(other))) => {
                     format!("expected a hello, got message {:?}", other.encode().first())
                 }
-                (Some(Err(e)), _) => format!("malformed message: {e}"),
-                (None, Some(why)) => {
-                    debug!("bootstrap: a connection from {from} {why}");
+                Ok(Some(Err(e))) => format!("malformed message: {e}"),
+                Ok(None) => "an incomplete hello".to_string(),
+                Err(why) => {
+                    debug!("bootstrap: a connection from {from}: {why}");
                     continue;
                 }
-                (None, None) => format!("no hello within {HELLO_WITHIN:?}"),
             };
             warn!("bootstrap: refused a connection from {from}: {refusal}");
             let _ = stream.set_nonblocking(false);

@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 use braid_core::Error;
 use tracing::{debug, warn};
 
+use crate::greet::{Greeted, Greeter};
 use crate::link::{check_token, misuse, AbortHandle, Event, Link, LinkId, RecvSlot, SendSlot};
 use crate::memory::Span;
 use crate::setup::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
@@ -310,9 +311,8 @@ fn accept_all(
     listener
         .set_nonblocking(true)
         .map_err(|e| Error::io("configuring the TCP listener", e))?;
-    // Connections that have not said hello yet, served from this loop (no thread per connection);
-    // past the bound the oldest goes, so idle connections cannot keep a peer out.
-    let mut pending: VecDeque<PendingHello> = VecDeque::new();
+    // Connections that have not said hello yet, served from this loop (no thread per connection).
+    let mut greeter = Greeter::new("the TCP data port", MAX_PENDING_HELLOS, HELLO_DEADLINE);
     while have < expected {
         let now = Instant::now();
         if now >= deadline {
@@ -328,68 +328,22 @@ fn accept_all(
                 missing.join(", ")
             )));
         }
-        let mut busy = false;
-        loop {
-            match listener.accept() {
-                Ok((s, from)) => {
-                    busy = true;
-                    if s.set_nonblocking(true).is_err() {
-                        continue;
-                    }
-                    if pending.len() == MAX_PENDING_HELLOS {
-                        if let Some(old) = pending.pop_front() {
-                            warn!(
-                                rank = opts.rank,
-                                "{MAX_PENDING_HELLOS} TCP connections have not said hello; dropping the oldest, from {}",
-                                old.from
-                            );
-                        }
-                    }
-                    pending.push_back(PendingHello {
-                        stream: s,
-                        from,
-                        buf: [0; frame::HELLO_LEN],
-                        got: 0,
-                        until: (now + HELLO_DEADLINE).min(deadline),
-                    });
-                }
-                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                Err(e) => {
-                    warn!("accepting a TCP connection failed: {e}");
-                    break;
-                }
-            }
-        }
-        let mut i = 0;
-        while i < pending.len() {
-            let p = &mut pending[i];
-            let outcome = loop {
-                if p.got == p.buf.len() {
-                    break Some(Hello::decode(&p.buf));
-                }
-                match (&p.stream).read(&mut p.buf[p.got..]) {
-                    Ok(0) => break Some(Err("closed before saying hello".into())),
-                    Ok(n) => {
-                        busy = true;
-                        p.got += n;
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                        break (now >= p.until).then(|| Err("no hello before the deadline".into()))
-                    }
-                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                    Err(e) => break Some(Err(e.to_string())),
-                }
-            };
-            let Some(hello) = outcome else {
-                i += 1;
-                continue;
-            };
-            let Some(PendingHello {
-                stream: s, from, ..
-            }) = pending.remove(i)
-            else {
-                break;
-            };
+        let (greeted, busy) = greeter.poll(&listener, now, deadline, |b| {
+            frame::HELLO_LEN.saturating_sub(b.len())
+        });
+        for Greeted {
+            stream: s,
+            from,
+            first,
+        } in greeted
+        {
+            let hello =
+                first.and_then(
+                    |b| match <&[u8; frame::HELLO_LEN]>::try_from(b.as_slice()) {
+                        Ok(b) => Hello::decode(b),
+                        Err(_) => Err(format!("a hello of {} bytes", b.len())),
+                    },
+                );
             let h = match hello.and_then(|h| check_hello(&h, &opts, remote).map(|_| h)) {
                 Ok(h) => h,
                 Err(e) => {
@@ -406,9 +360,6 @@ fn accept_all(
                     rank = opts.rank,
                     "refused a duplicate connection {} from rank {}", h.socket, h.from
                 );
-                continue;
-            }
-            if s.set_nonblocking(false).is_err() || s.set_nodelay(true).is_err() {
                 continue;
             }
             *slot = Some(s);
@@ -433,15 +384,6 @@ fn accept_all(
 
 /// At most this many connections wait for their hello at once.
 const MAX_PENDING_HELLOS: usize = 64;
-
-/// A connection that has not said hello yet.
-struct PendingHello {
-    stream: TcpStream,
-    from: SocketAddr,
-    buf: [u8; frame::HELLO_LEN],
-    got: usize,
-    until: Instant,
-}
 
 /// Slot memory written by reader threads and read by the executor, one slot at a time by protocol.
 struct SlotMem {
