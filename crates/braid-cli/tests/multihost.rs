@@ -1,8 +1,8 @@
 //! Ranks on several hosts: network namespaces joined by a switch (`tests/netns/hosts.sh`), TCP between
 //! them, shared memory inside each. Run without `BRAID_RANK` this harness makes the hosts and starts
 //! copies of itself in them as ranks; run with `BRAID_RANK` it is a rank and plays the scenario named by
-//! its first argument. Where namespaces cannot be made, every case prints why and is
-//! reported ignored (a failure with `BRAID_REQUIRE_TOOLS=1`).
+//! its first argument. Where namespaces cannot be made, every case says why and is reported ignored (a
+//! failure under `BRAID_REQUIRE_TOOLS=1`).
 
 mod common;
 
