@@ -8,7 +8,7 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use support::{artifacts, braid_run, have, profile_dir, show};
+use support::{artifacts, braid_run, profile_dir, require, show};
 
 const SANITIZERS: &str = "address,undefined";
 
@@ -72,11 +72,7 @@ fn run_c(name: &str, n: usize) -> String {
 }
 
 fn gcc_or_say_why() -> bool {
-    if !have("gcc") {
-        println!("SKIPPED: gcc is not installed; the C tests need it");
-        return false;
-    }
-    true
+    require("gcc", "the C tests")
 }
 
 #[test]
@@ -192,8 +188,7 @@ fn readme_example_builds_with_pkg_config_shared_and_static() {
     if !gcc_or_say_why() {
         return;
     }
-    if !have("pkg-config") {
-        println!("SKIPPED: pkg-config is not installed");
+    if !require("pkg-config", "the README example's build") {
         return;
     }
     build_and_run_example(&stage("capi-prefix-shared", "libbraid.so"), &[]);
@@ -225,8 +220,7 @@ fn ranks_as_threads_and_abort_from_another_thread_under_sanitizers() {
 
 #[test]
 fn the_library_exports_exactly_the_functions_the_header_declares() {
-    if !have("nm") {
-        println!("SKIPPED: nm (binutils) is not installed");
+    if !require("nm", "the check of the library's exports (binutils)") {
         return;
     }
     let (_, libdir) = artifacts();

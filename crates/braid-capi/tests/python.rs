@@ -1,5 +1,6 @@
 //! The Python binding (`python/braid`): its unittest suite as every rank of `braid run -n 2` and `-n 4`,
-//! and the PyTorch DDP hook example. Skipped, saying why, where python3 or numpy is missing.
+//! and the PyTorch DDP hook example. Where python3 or numpy is missing they say why and pass without
+//! running, or fail under `BRAID_REQUIRE_TOOLS=1`.
 
 mod support;
 
@@ -15,12 +16,11 @@ fn python_has(module: &str) -> bool {
 }
 
 fn python_with_numpy() -> bool {
-    if !support::have("python3") {
-        println!("SKIPPED: python3 is not installed");
+    if !support::require("python3", "the Python binding's tests") {
         return false;
     }
     if !python_has("numpy") {
-        println!("SKIPPED: numpy is not installed for python3 (pip install numpy)");
+        support::unavailable("numpy is not installed for python3 (pip install numpy)");
         return false;
     }
     true

@@ -10,7 +10,7 @@ mod scenario;
 use std::time::Instant;
 
 use braid::{CodecSpec, Communicator, CompressionConfig, GradientCompressor, ReduceOp};
-use common::{braid_run, braid_segments, show};
+use common::{braid_run, braid_segments, case, no_segments_left, show};
 
 // ---------------------------------------------------------------------------------------------------
 // Rank side.
@@ -139,30 +139,22 @@ fn main() {
     if std::env::var_os("BRAID_RANK").is_some() {
         std::process::exit(rank_main(&args[0], &args[1..]));
     }
-    if args.iter().any(|a| a == "--list") {
-        return;
-    }
+    let args = common::arguments();
     let before = braid_segments();
-    let tests: [(&str, fn()); 2] = [
-        (
+    let tests = vec![
+        case(
             "every codec and op, all-to-all and bad input on 2, 3, 5 and 8 processes",
             test_every_codec_on_processes,
         ),
-        (
+        case(
             "configuration from BRAID_COMPRESS* variables",
             test_configuration_from_the_environment,
         ),
+        no_segments_left(
+            "/dev/shm holds no braid segments afterwards",
+            before,
+            |_| true,
+        ),
     ];
-    for (name, t) in tests {
-        println!("test {name} ...");
-        t();
-        println!("test {name} ... ok");
-    }
-    let after = braid_segments();
-    let leaked: Vec<_> = after.iter().filter(|n| !before.contains(n)).collect();
-    assert!(
-        leaked.is_empty(),
-        "shared-memory segments left in /dev/shm: {leaked:?}"
-    );
-    println!("test /dev/shm holds no braid segments afterwards ... ok");
+    libtest_mimic::run(&args, tests).exit();
 }

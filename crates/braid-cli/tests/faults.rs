@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use braid::{Collective, Communicator, Config, DType, Error, ReduceOp, UniqueId};
 use braid_core::exact::{fill, inputs, reduced, wrong};
-use common::{braid_run, braid_segments, free_port, me, show};
+use common::{braid_run, braid_segments, case, free_port, me, no_segments_left, show};
 
 /// The timeout of the fault scenarios: short, so that a stopped peer is given up on quickly.
 const FAULT_TIMEOUT_MS: u64 = 4000;
@@ -1049,45 +1049,28 @@ fn main() {
     if std::env::var_os("BRAID_RANK").is_some() || std::env::var_os("RANK").is_some() {
         std::process::exit(rank_main(&args[0], &args[1..]));
     }
-    // libtest flags such as --list or a filter: this harness runs everything or nothing.
-    if args.iter().any(|a| a == "--list") {
-        return;
-    }
+    let args = common::arguments();
     let before = braid_segments();
-    let tests: [(&str, fn()); 4] = [
-        (
+    let tests = vec![
+        case(
             "a rank killed, terminated, exiting or stopped mid-collective",
             test_fault_matrix,
         ),
-        (
+        case(
             "abort from another thread, across processes",
             test_abort_across_processes,
         ),
-        (
+        case(
             "dropping a communicator never hangs",
             test_destroy_never_hangs,
         ),
-        ("soak of random collectives", test_soak),
+        case("soak of random collectives", test_soak),
+        // Segments of other runs on this host (made and unlinked while we ran) are not ours to judge.
+        no_segments_left(
+            "/dev/shm holds no braid segments of these runs afterwards",
+            before,
+            |(_, pid)| PIDS.lock().unwrap().contains(pid),
+        ),
     ];
-    for (name, t) in tests {
-        println!("test {name} ...");
-        t();
-        println!("test {name} ... ok");
-    }
-    // Segments of other runs on this host (made and unlinked while we ran) are not ours to judge.
-    let pids = PIDS.lock().unwrap().clone();
-    let after = braid_segments();
-    let new: Vec<_> = after.iter().filter(|s| !before.contains(s)).collect();
-    let leaked: Vec<_> = new.iter().filter(|(_, pid)| pids.contains(pid)).collect();
-    assert!(
-        leaked.is_empty(),
-        "shared-memory segments of these ranks left in /dev/shm: {leaked:?}"
-    );
-    if new.len() > leaked.len() {
-        println!(
-            "  (ignored: {} new braid segment(s) of other processes)",
-            new.len()
-        );
-    }
-    println!("test /dev/shm holds no braid segments of these runs afterwards ... ok");
+    libtest_mimic::run(&args, tests).exit();
 }

@@ -3,8 +3,9 @@
 //! itself inside them; run with `BRAID_NETNS_ROLE` set it is one of those copies (a listener, a
 //! connector, a bulk sender or receiver) and reports what it saw as `key value` lines on stdout.
 //!
-//! Where namespaces cannot be made (not root, no iproute2) every case says why it skipped; where the
-//! kernel has no token-bucket qdisc, only the throttled case skips.
+//! Where namespaces cannot be made (not root, no iproute2) every case says why and is reported ignored;
+//! where the kernel has no token-bucket qdisc, only the throttled case is. With `BRAID_REQUIRE_TOOLS=1`
+//! such a case fails instead.
 
 mod common;
 
@@ -18,8 +19,9 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use common::me;
 use common::netns::{self, Hosts, Opts};
+use common::{case_needing, me};
+use libtest_mimic::Trial;
 
 /// Bytes of each bulk transfer.
 const BULK: usize = 32 << 20;
@@ -607,70 +609,57 @@ fn test_teardown() {
     assert_eq!(ours(&prefix), Vec::<String>::new(), "left after a panic");
 }
 
-/// A case: Ok when it ran and passed, Err(why) when it cannot run here; it panics when it fails.
-type Case = fn() -> Result<(), String>;
+/// A case on hosts: it cannot run where namespaces cannot be made, nor where `run` says why it cannot
+/// (`Err`); it panics when it fails.
+fn on_hosts(name: &str, run: fn() -> Result<(), String>) -> Trial {
+    case_needing(name, move || {
+        netns::usable()?;
+        let start = Instant::now();
+        run()?;
+        println!("  took {:.1} s", start.elapsed().as_secs_f64());
+        Ok(())
+    })
+}
 
 fn main() {
     if let Ok(role) = std::env::var("BRAID_NETNS_ROLE") {
         role_main(&role);
         return;
     }
-    // libtest flags such as --list or a filter: this harness runs everything or nothing.
-    if std::env::args().any(|a| a == "--list") {
-        return;
-    }
-    let tests: [(&str, Case); 4] = [
-        (
+    let args = common::arguments();
+    let mine = format!("braidt-{}-", std::process::id());
+    let tests = vec![
+        on_hosts(
             "three hosts talk over TCP, apart from this namespace",
             || {
                 test_three_hosts_talk();
                 Ok(())
             },
         ),
-        (
+        on_hosts(
             "links shaped by tbf carry about their rate (1gbit, 100mbit)",
             test_throttled_link,
         ),
-        (
+        on_hosts(
             "--delay adds latency, or a failed up leaves nothing",
             || {
                 test_delay_or_clean_failure();
                 Ok(())
             },
         ),
-        ("hosts vanish when dropped, also on panic", || {
+        on_hosts("hosts vanish when dropped, also on panic", || {
             test_teardown();
             Ok(())
         }),
+        case_needing("no namespaces of this run remain", move || {
+            netns::usable()?;
+            let left: Vec<_> = netns::namespaces()?
+                .into_iter()
+                .filter(|n| n.starts_with(&mine))
+                .collect();
+            assert!(left.is_empty(), "namespaces left behind: {left:?}");
+            Ok(())
+        }),
     ];
-    if let Err(why) = netns::available() {
-        for (name, _) in tests {
-            println!("test {name} ... skipped: {why}");
-        }
-        return;
-    }
-    match netns::reap_orphans() {
-        Ok(gone) if !gone.is_empty() => println!("removed hosts of runs that died: {gone:?}"),
-        Ok(_) => {}
-        Err(e) => println!("could not look for hosts of runs that died: {e}"),
-    }
-    let mine = format!("braidt-{}-", std::process::id());
-    for (name, t) in tests {
-        println!("test {name} ...");
-        let start = Instant::now();
-        match t() {
-            Ok(()) => println!(
-                "test {name} ... ok ({:.1} s)",
-                start.elapsed().as_secs_f64()
-            ),
-            Err(why) => println!("test {name} ... skipped: {why}"),
-        }
-    }
-    let left: Vec<_> = netns::namespaces()
-        .unwrap()
-        .into_iter()
-        .filter(|n| n.starts_with(&mine))
-        .collect();
-    assert!(left.is_empty(), "namespaces left behind: {left:?}");
-    println!("test no namespaces of this run remain ... ok");
+    libtest_mimic::run(&args, tests).exit();
 }

@@ -1,7 +1,8 @@
 //! Ranks on several hosts: network namespaces joined by a switch (`tests/netns/hosts.sh`), TCP between
 //! them, shared memory inside each. Run without `BRAID_RANK` this harness makes the hosts and starts
 //! copies of itself in them as ranks; run with `BRAID_RANK` it is a rank and plays the scenario named by
-//! its first argument. Where namespaces cannot be made, every case prints why it skipped.
+//! its first argument. Where namespaces cannot be made, every case says why and is reported ignored (a
+//! failure under `BRAID_REQUIRE_TOOLS=1`).
 
 mod common;
 
@@ -10,8 +11,10 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use braid::Communicator;
+use common::case_needing;
 use common::netns::{self, Hosts, Opts};
 use common::scenarios::scenario_algorithms;
+use libtest_mimic::Trial;
 
 const PORT: u16 = 29_500;
 const SECRET: &str = "00112233445566778899aabbccddeeff";
@@ -259,38 +262,30 @@ fn test_probing_recovers_hidden_hosts() -> Result<(), String> {
     Ok(())
 }
 
-type Case = fn() -> Result<(), String>;
+/// A case on hosts: it cannot run where namespaces cannot be made, nor where `run` says why it cannot
+/// (`Err`); it panics when it fails.
+fn on_hosts(name: &str, run: fn() -> Result<(), String>) -> Trial {
+    case_needing(name, move || {
+        netns::usable()?;
+        run()
+    })
+}
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if std::env::var_os("BRAID_RANK").is_some() {
         std::process::exit(rank_main(&args[0]));
     }
-    if args.iter().any(|a| a == "--list") {
-        return;
-    }
-    let tests: [(&str, Case); 2] = [
-        (
+    let args = common::arguments();
+    let tests = vec![
+        on_hosts(
             "every collective across namespaced hosts, tcp and shm+tcp",
             test_collectives_across_hosts,
         ),
-        (
+        on_hosts(
             "probing recovers hosts that all report one identity",
             test_probing_recovers_hidden_hosts,
         ),
     ];
-    if let Err(why) = netns::available() {
-        for (name, _) in tests {
-            println!("test {name} ... skipped: {why}");
-        }
-        return;
-    }
-    let _ = netns::reap_orphans();
-    for (name, t) in tests {
-        println!("test {name} ...");
-        match t() {
-            Ok(()) => println!("test {name} ... ok"),
-            Err(why) => println!("test {name} ... skipped: {why}"),
-        }
-    }
+    libtest_mimic::run(&args, tests).exit();
 }

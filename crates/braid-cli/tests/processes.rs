@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use braid::{Communicator, DType, Error, Priority, ReduceOp};
 use braid_core::exact::{inputs, reduced};
 use common::scenarios::{assert_identical, scenario_algorithms};
-use common::{braid, braid_run, braid_segments, free_port, me, show};
+use common::{braid, braid_run, braid_segments, case, free_port, me, no_segments_left, show};
 
 // ---------------------------------------------------------------------------------------------------
 // Rank side.
@@ -797,50 +797,41 @@ fn main() {
     if std::env::var_os("BRAID_RANK").is_some() || std::env::var_os("RANK").is_some() {
         std::process::exit(rank_main(&args[0], &args[1..]));
     }
-    // libtest flags such as --list or a filter: this harness runs everything or nothing.
-    if args.iter().any(|a| a == "--list") {
-        return;
-    }
+    let args = common::arguments();
     let before = braid_segments();
-    let tests: [(&str, fn()); 12] = [
-        ("matrix of ranks × dtypes × ops × counts", test_matrix),
-        (
+    let tests = vec![
+        case("matrix of ranks × dtypes × ops × counts", test_matrix),
+        case(
             "two streams: priorities, events, callbacks, borrowed buffers",
             test_streams,
         ),
-        (
+        case(
             "every algorithm of every collective, forced",
             test_algorithms,
         ),
-        ("tcp, several sockets, and shm+tcp hosts", test_transports),
-        ("braid topo and topology files", test_topo_command_and_files),
-        ("braid compress-bench", test_compress_bench),
-        (
+        case("tcp, several sockets, and shm+tcp hosts", test_transports),
+        case("braid topo and topology files", test_topo_command_and_files),
+        case("braid compress-bench", test_compress_bench),
+        case(
             "launcher stops everyone when one rank fails",
             test_launcher_stops_everyone_when_one_rank_fails,
         ),
-        ("rank killed mid-collective", test_killed_rank),
-        ("torchrun variables", test_torchrun_variables),
-        ("braid perf checks its results", test_perf_runs_and_checks),
-        (
+        case("rank killed mid-collective", test_killed_rank),
+        case("torchrun variables", test_torchrun_variables),
+        case("braid perf checks its results", test_perf_runs_and_checks),
+        case(
             "braid perf --algo all marks the pick and plots",
             test_perf_all_algorithms_and_plot,
         ),
-        (
+        case(
             "braid tune writes a file the runtime uses",
             test_tune_writes_a_file_the_runtime_uses,
         ),
+        no_segments_left(
+            "/dev/shm holds no braid segments afterwards",
+            before,
+            |_| true,
+        ),
     ];
-    for (name, t) in tests {
-        println!("test {name} ...");
-        t();
-        println!("test {name} ... ok");
-    }
-    let after = braid_segments();
-    let leaked: Vec<_> = after.iter().filter(|n| !before.contains(n)).collect();
-    assert!(
-        leaked.is_empty(),
-        "shared-memory segments left in /dev/shm: {leaked:?}"
-    );
-    println!("test /dev/shm holds no braid segments afterwards ... ok");
+    libtest_mimic::run(&args, tests).exit();
 }

@@ -1,5 +1,6 @@
 //! Helpers shared by the multi-process harnesses: where the binaries are, launching ranks, reading
-//! /dev/shm.
+//! /dev/shm, and running cases through libtest-mimic (so `cargo test FILTER`, `--exact`, `--list` and
+//! `--ignored` work as with the built-in harness).
 #![allow(dead_code)]
 
 pub mod netns;
@@ -8,6 +9,8 @@ pub mod scenarios;
 use std::io::Read;
 use std::path::PathBuf;
 use std::process::{Command, Output};
+
+use libtest_mimic::{Arguments, Completion, Failed, Trial};
 
 /// The `braid` binary under test.
 pub fn braid() -> PathBuf {
@@ -77,4 +80,74 @@ pub fn free_port() -> u16 {
         .local_addr()
         .unwrap()
         .port()
+}
+
+/// Whether `BRAID_REQUIRE_TOOLS=1` is set: then a case that cannot run here fails instead of being
+/// reported as ignored.
+pub fn tools_required() -> bool {
+    std::env::var("BRAID_REQUIRE_TOOLS").is_ok_and(|v| v == "1")
+}
+
+/// The outcome of a case that cannot run here because of `why` (a missing tool or privilege): ignored,
+/// shown as `ignored (cannot run here: why)`, or a failure naming `why` under `BRAID_REQUIRE_TOOLS=1`.
+pub fn unavailable(why: &str) -> Result<Completion, Failed> {
+    if tools_required() {
+        Err(format!("cannot run here, and BRAID_REQUIRE_TOOLS=1 requires it to: {why}").into())
+    } else {
+        Ok(Completion::ignored_with(format!("cannot run here: {why}")))
+    }
+}
+
+/// A case that passes when it returns and fails when it panics.
+pub fn case(name: &str, run: fn()) -> Trial {
+    Trial::test(name, move || {
+        run();
+        Ok(())
+    })
+}
+
+/// A case that may find it cannot run here: `Err(why)` from `run` is handed to [`unavailable`].
+pub fn case_needing(
+    name: &str,
+    run: impl FnOnce() -> Result<(), String> + Send + 'static,
+) -> Trial {
+    Trial::ignorable_test(name, move || match run() {
+        Ok(()) => Ok(Completion::Completed),
+        Err(why) => unavailable(&why),
+    })
+}
+
+/// This harness's command line for libtest-mimic, one case at a time (unless `--test-threads` says
+/// otherwise): the cases spawn many processes each and several judge what all of them left behind.
+pub fn arguments() -> Arguments {
+    let mut args = Arguments::from_args();
+    args.test_threads.get_or_insert(1);
+    args
+}
+
+/// A last case: no braid segment in /dev/shm that was not there in `before` (as [`braid_segments`]
+/// read it when the harness started) and that `ours` accepts.
+pub fn no_segments_left(
+    name: &str,
+    before: Vec<(String, u32)>,
+    ours: impl Fn(&(String, u32)) -> bool + Send + 'static,
+) -> Trial {
+    Trial::test(name, move || {
+        let new: Vec<_> = braid_segments()
+            .into_iter()
+            .filter(|s| !before.contains(s))
+            .collect();
+        let leaked: Vec<_> = new.iter().filter(|s| ours(s)).collect();
+        if new.len() > leaked.len() {
+            println!(
+                "  (ignored: {} new braid segment(s) of other processes)",
+                new.len() - leaked.len()
+            );
+        }
+        if leaked.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("shared-memory segments left in /dev/shm: {leaked:?}").into())
+        }
+    })
 }

@@ -9,6 +9,7 @@ use std::net::Ipv4Addr;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// The script that makes and removes the hosts.
@@ -134,6 +135,25 @@ pub fn available() -> Result<(), String> {
     .map(|_| ());
     let d = ip(&["netns", "delete", &ns]).map(|_| ());
     r.and(d)
+}
+
+/// [`available`], found out once per process; the first time it is Ok this also removes the hosts of
+/// runs that died ([`reap_orphans`]).
+pub fn usable() -> Result<(), String> {
+    static USABLE: OnceLock<Result<(), String>> = OnceLock::new();
+    USABLE
+        .get_or_init(|| {
+            available()?;
+            match reap_orphans() {
+                Ok(gone) if !gone.is_empty() => {
+                    println!("removed hosts of runs that died: {gone:?}")
+                }
+                Ok(_) => {}
+                Err(e) => println!("could not look for hosts of runs that died: {e}"),
+            }
+            Ok(())
+        })
+        .clone()
 }
 
 /// Whether a `tc` qdisc of this kind (`tbf`, `netem`) can be attached here: tries it on a veth in a
