@@ -127,6 +127,8 @@ impl Communicator {
         op: ReduceOp,
         state: &mut GradientCompressor,
     ) -> Result<CompressedReport, Error> {
+        // One turn for all the collectives it is made of: no other thread's op may come in between.
+        let _turn = self.inner.streams.turn()?;
         if !matches!(op, ReduceOp::Sum | ReduceOp::Avg) {
             return Err(Error::invalid(format!(
                 "all_reduce_compressed: op must be sum or avg, got {op}"
