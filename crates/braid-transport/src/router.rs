@@ -82,6 +82,26 @@ impl Router {
         }
     }
 
+    /// The router as one [`Link`]: where a single link reaches every peer, that link itself (one
+    /// dynamic call less on every operation), else the router.
+    pub fn into_link(mut self) -> Box<dyn Link> {
+        let me = self.geometry.rank;
+        let one = self.links.len() == 1
+            && self
+                .routes
+                .iter()
+                .enumerate()
+                .all(|(p, r)| p == me || *r == Some(0));
+        match (one, self.links.pop()) {
+            (true, Some(link)) => link,
+            (_, Some(link)) => {
+                self.links.push(link);
+                Box::new(self)
+            }
+            (_, None) => Box::new(self),
+        }
+    }
+
     /// The agreed geometry.
     pub fn geometry(&self) -> Geometry {
         self.geometry
@@ -178,5 +198,37 @@ impl Link for Router {
         Arc::new(AllHandles(
             self.links.iter().map(|l| l.abort_handle()).collect(),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mem::MemNet;
+
+    #[test]
+    fn a_router_of_one_link_that_reaches_everyone_is_that_link() {
+        let geometry = Geometry {
+            rank: 0,
+            world: 3,
+            channels: 2,
+            slots: 4,
+            slot_bytes: 64,
+        };
+        let net = MemNet::new(3, 2, 4, 64);
+        let one = Router::new(
+            geometry,
+            vec![Box::new(net.link(0))],
+            vec![None, Some(0), Some(0)],
+        )
+        .unwrap();
+        assert_eq!(one.into_link().name(), net.link(0).name());
+        let two = Router::new(
+            geometry,
+            vec![Box::new(net.link(0)), Box::new(net.link(0))],
+            vec![None, Some(0), Some(1)],
+        )
+        .unwrap();
+        assert_eq!(two.into_link().name(), "router");
     }
 }

@@ -262,7 +262,7 @@ impl Communicator {
         drop(links);
         debug!(rank, world, "communicator ready");
         let hosts = topology.host_groups();
-        let link = transport.map(|t| Box::new(t) as Box<dyn Link>);
+        let link = transport.map(Router::into_link);
         let mut executor = Executor::new(rank, world, config.clone(), tuner, link, abort.clone());
         executor.set_hosts(hosts.clone());
         if let Some(link) = measured_tcp_link(&topology) {
