@@ -207,7 +207,10 @@ pub trait Engine: Send {
 }
 
 /// Checks that `engine` may compute on every span of `kernel`.
-pub(crate) fn check_kinds(engine: &dyn Engine, kernel: &Kernel<'_>) -> Result<(), Error> {
+pub(crate) fn check_kinds<E: Engine + ?Sized>(
+    engine: &E,
+    kernel: &Kernel<'_>,
+) -> Result<(), Error> {
     let mut bad = None;
     kernel.spans(|s| {
         if !s.is_empty() && !engine.accepts(s.kind()) {

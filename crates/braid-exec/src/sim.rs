@@ -153,7 +153,7 @@ pub struct Report {
 }
 
 enum Rank {
-    Running(Box<(Executor, Run)>),
+    Running(Box<(Executor<CpuEngine>, Run)>),
     Finished(Result<(), Error>),
     Killed,
     Stalled,

@@ -146,7 +146,8 @@ pub(crate) struct Executor {
     pub rank: usize,
     config: Config,
     pub tuner: Tuner,
-    exec: braid_exec::Executor,
+    /// The CPU engine, by type: its kernels are called directly on the hot path.
+    exec: braid_exec::Executor<CpuEngine>,
     /// The next sequence number of each stream.
     seqs: Vec<u64>,
     pub recorder: Recorder,

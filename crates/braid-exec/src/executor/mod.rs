@@ -215,13 +215,17 @@ impl Run {
     }
 }
 
-/// One rank's executor.
-pub struct Executor {
+/// One rank's executor, computing with an engine of type `E`: a concrete engine (calls to it are
+/// direct) or, by default, any engine behind `dyn Engine`.
+pub struct Executor<E: Engine + ?Sized = dyn Engine> {
     rank: usize,
     world: usize,
     settings: Settings,
     link: Option<Box<dyn Link>>,
-    engine: Box<dyn Engine>,
+    /// The link's slot size and channels (fixed: read once, not on every op).
+    slot_bytes: usize,
+    channels: usize,
+    engine: Box<E>,
     abort: Arc<AtomicBool>,
     hosts: Vec<Vec<usize>>,
     /// Recently used plans, most recent first.
@@ -232,18 +236,18 @@ pub struct Executor {
 }
 
 /// What a step needs from the executor while it mutates a run.
-struct Cx<'a> {
+struct Cx<'a, E: Engine + ?Sized> {
     rank: usize,
     world: usize,
     link: &'a dyn Link,
-    engine: &'a mut dyn Engine,
+    engine: &'a mut E,
     abort: &'a AtomicBool,
     srcs: &'a mut Vec<Operand>,
 }
 
 type Step = Result<Option<Wait>, Error>;
 
-impl Executor {
+impl<E: Engine + ?Sized> Executor<E> {
     /// An executor for `rank` of `world` over `link` (`None` for a one-rank communicator), computing
     /// with `engine`. `abort` fails every run when set.
     pub fn new(
@@ -251,13 +255,18 @@ impl Executor {
         world: usize,
         settings: Settings,
         link: Option<Box<dyn Link>>,
-        engine: Box<dyn Engine>,
+        engine: Box<E>,
         abort: Arc<AtomicBool>,
-    ) -> Executor {
+    ) -> Executor<E> {
+        let (slot_bytes, channels) = link
+            .as_deref()
+            .map_or((0, 0), |l| (l.slot_bytes(), l.channels()));
         Executor {
             rank,
             world,
             settings,
+            slot_bytes,
+            channels,
             link,
             engine,
             abort,
@@ -298,7 +307,7 @@ impl Executor {
     /// Elements of the accumulator type per slot: the chunk size of every schedule.
     fn chunk(&self, dtype: DType) -> usize {
         match &self.link {
-            Some(l) => (l.slot_bytes() / dtype.accumulator().size()).max(1),
+            Some(_) => (self.slot_bytes / dtype.accumulator().size()).max(1),
             None => usize::MAX,
         }
     }
@@ -424,13 +433,11 @@ impl Executor {
                 ));
             }
         }
-        if let Some(l) = &self.link {
-            if channel >= l.channels() {
-                return Err(Error::invalid(format!(
-                    "channel {channel} does not exist (the link has {})",
-                    l.channels()
-                )));
-            }
+        if self.link.is_some() && channel >= self.channels {
+            return Err(Error::invalid(format!(
+                "channel {channel} does not exist (the link has {})",
+                self.channels
+            )));
         }
         Ok(())
     }

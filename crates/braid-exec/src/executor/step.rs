@@ -54,7 +54,7 @@ fn same(run: &Run, i: &Range<usize>, o: &Range<usize>) -> bool {
         && run.op.send.addr() + i.start * es == run.op.recv.addr() + o.start * es
 }
 
-fn submit(engine: &mut dyn Engine, run: &mut Run, k: &Kernel<'_>) -> Result<(), Error> {
+fn submit<E: Engine + ?Sized>(engine: &mut E, run: &mut Run, k: &Kernel<'_>) -> Result<(), Error> {
     // Every span was checked where it entered the run: the op's buffers at start, slots when reserved
     // or received, scratch from the engine itself.
     debug_assert!(check_kinds(engine, k).is_ok(), "{k:?}");
@@ -68,7 +68,7 @@ fn submit(engine: &mut dyn Engine, run: &mut Run, k: &Kernel<'_>) -> Result<(), 
     Ok(())
 }
 
-pub(super) fn local_step(engine: &mut dyn Engine, run: &mut Run, a: &Action) -> Step {
+pub(super) fn local_step<E: Engine + ?Sized>(engine: &mut E, run: &mut Run, a: &Action) -> Step {
     match a {
         Action::Copy { src, dst } => {
             if !same(run, src, dst) {
@@ -87,8 +87,8 @@ pub(super) fn local_step(engine: &mut dyn Engine, run: &mut Run, a: &Action) -> 
 }
 
 /// Does every deferred post and release whose kernel has completed.
-pub(super) fn flush(
-    engine: &mut dyn Engine,
+pub(super) fn flush<E: Engine + ?Sized>(
+    engine: &mut E,
     link: &dyn Link,
     rank: usize,
     abort: &AtomicBool,
@@ -133,7 +133,7 @@ pub(super) fn run_ctx<'a>(rank: usize, abort: &'a AtomicBool, run: &Run) -> Wait
     }
 }
 
-impl Cx<'_> {
+impl<E: Engine + ?Sized> Cx<'_, E> {
     fn ctx(&self, run: &Run) -> WaitCtx<'_> {
         run_ctx(self.rank, self.abort, run)
     }
