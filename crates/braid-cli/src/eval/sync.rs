@@ -13,7 +13,9 @@ use std::str::FromStr;
 use braid::{
     CodecSpec, Communicator, CompressionConfig, DType, Error, GradientCompressor, ReduceOp,
 };
-use braid_compress::{Cast, Codec, Compressed, ErrorFeedback, Int8, PowerSgd, RandomK, Sign, TopK};
+use braid_compress::{
+    echo_input, Cast, Codec, Compressed, ErrorFeedback, Int8, PowerSgd, RandomK, Sign, TopK,
+};
 
 /// What one synchronisation did, as seen by this rank.
 #[derive(Clone, Debug, Default)]
@@ -70,11 +72,14 @@ pub struct Setting {
 fn density(s: &str, what: &str) -> Result<f32, String> {
     let d: f32 = s
         .parse()
-        .map_err(|_| format!("{what} density {s:?} is not a number"))?;
+        .map_err(|_| format!("{what} density {} is not a number", echo_input(s)))?;
     if d > 0.0 && d <= 1.0 {
         Ok(d)
     } else {
-        Err(format!("{what} density must be in (0, 1], got {s}"))
+        Err(format!(
+            "{what} density must be in (0, 1], got {}",
+            echo_input(s)
+        ))
     }
 }
 
@@ -91,7 +96,9 @@ impl FromStr for Setting {
             Some((spec, "noef")) => (spec, false),
             Some((_, other)) => {
                 return Err(format!(
-                    "{s:?}: unknown suffix /{other} (expected /ef or /noef)"
+                    "{}: unknown suffix /{} (expected /ef or /noef)",
+                    echo_input(&s),
+                    echo_input(other)
                 ))
             }
         };
@@ -108,12 +115,11 @@ impl FromStr for Setting {
             ("int8", None | Some("stochastic")) => CodecChoice::Int8 { stochastic: true },
             ("int8", Some("nearest")) => CodecChoice::Int8 { stochastic: false },
             ("sign", None) => CodecChoice::Sign,
-            ("powersgd", Some(p)) => CodecChoice::PowerSgd(
-                p.parse()
-                    .ok()
-                    .filter(|r| *r > 0)
-                    .ok_or_else(|| format!("powersgd rank {p:?} is not a positive integer"))?,
-            ),
+            ("powersgd", Some(p)) => {
+                CodecChoice::PowerSgd(p.parse().ok().filter(|r| *r > 0).ok_or_else(|| {
+                    format!("powersgd rank {} is not a positive integer", echo_input(p))
+                })?)
+            }
             ("topk" | "randomk" | "powersgd", None) => {
                 return Err(format!(
                     "{name} needs a parameter, e.g. {name}:{}",
@@ -122,14 +128,16 @@ impl FromStr for Setting {
             }
             _ => {
                 return Err(format!(
-                    "unknown codec {spec:?} (expected dense, fp16, bf16, topk:D, randomk:D, int8, \
-                     int8:nearest, sign or powersgd:R, optionally followed by /ef or /noef)"
+                    "unknown codec {} (expected dense, fp16, bf16, topk:D, randomk:D, int8, \
+                     int8:nearest, sign or powersgd:R, optionally followed by /ef or /noef)",
+                    echo_input(spec)
                 ))
             }
         };
         if codec == CodecChoice::Dense && s.contains('/') {
             return Err(format!(
-                "{s:?}: dense has no error feedback to turn on or off"
+                "{}: dense has no error feedback to turn on or off",
+                echo_input(&s)
             ));
         }
         Ok(Setting {
@@ -363,6 +371,19 @@ mod tests {
         ] {
             let e = text.parse::<Setting>().unwrap_err();
             assert!(e.contains(needle), "{text}: {e}");
+        }
+        // Long input is cut in the message, which says how long it was.
+        for text in [
+            format!("zip{}", "x".repeat(20_000)),
+            format!("topk:{}", "9".repeat(20_000)),
+            format!("topk:0.1/{}", "y".repeat(20_000)),
+        ] {
+            let e = text.parse::<Setting>().unwrap_err();
+            assert!(
+                e.len() < 400 && e.contains("characters)"),
+                "{} bytes: {e}",
+                e.len()
+            );
         }
     }
 }
