@@ -621,6 +621,18 @@ impl<E: Engine + ?Sized> Executor<E> {
         }
     }
 
+    /// What a step needs, when there are peers.
+    fn cx(&mut self) -> Option<Cx<'_, E>> {
+        Some(Cx {
+            rank: self.rank,
+            world: self.world,
+            link: self.link.as_deref()?,
+            engine: &mut *self.engine,
+            abort: &self.abort,
+            srcs: &mut self.srcs,
+        })
+    }
+
     /// Walks the plan from the run's position: `Some` when it blocks or yields, `None` at the end.
     /// With `block`, a wait on the link (with no post held back for a kernel) happens in place, and
     /// the walk goes on from where it stopped.
@@ -632,20 +644,10 @@ impl<E: Engine + ?Sized> Executor<E> {
         budget: u64,
         block: bool,
     ) -> Result<Option<Progress>, Error> {
-        let link = self.link.as_deref();
         while let Some(a) = plan.actions.get(run.pc) {
-            let wait = match link {
-                Some(link) => {
-                    let mut cx = Cx {
-                        rank: self.rank,
-                        world: self.world,
-                        link,
-                        engine: &mut *self.engine,
-                        abort: &self.abort,
-                        srcs: &mut self.srcs,
-                    };
-                    cx.step(run, a)?
-                }
+            let stepped = self.cx().map(|mut cx| cx.step(run, a));
+            let wait = match stepped {
+                Some(w) => w?,
                 None => local_step(&mut *self.engine, run, a)?,
             };
             if let Some(w) = wait {
@@ -657,7 +659,7 @@ impl<E: Engine + ?Sized> Executor<E> {
                         channel,
                         event,
                     },
-                ) = (block && run.deferred.is_empty(), link, w)
+                ) = (block && run.deferred.is_empty(), self.link.as_deref(), w)
                 {
                     let ctx = run_ctx(self.rank, &self.abort, run);
                     link.wait(peer, channel, event, &ctx, run.deadline)?;
@@ -692,17 +694,9 @@ impl<E: Engine + ?Sized> Executor<E> {
         loop {
             match run.phase {
                 Phase::Check { .. } => {
-                    let Some(link) = self.link.as_deref() else {
+                    let Some(mut cx) = self.cx() else {
                         run.phase = Phase::Plan;
                         continue;
-                    };
-                    let mut cx = Cx {
-                        rank: self.rank,
-                        world: self.world,
-                        link,
-                        engine: &mut *self.engine,
-                        abort: &self.abort,
-                        srcs: &mut self.srcs,
                     };
                     if let Some(w) = cx.check(run)? {
                         return self.blocked(run, w);

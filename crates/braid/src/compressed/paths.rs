@@ -295,14 +295,7 @@ impl Communicator {
         state: &mut GradientCompressor,
     ) -> Result<(Stats, CompressedPath, u64), Error> {
         let len = grad.len();
-        let codec = state
-            .codec
-            .as_mut()
-            .ok_or_else(|| internal("the sum-closed path without a codec".into()))?;
-        let (c, stats) = state
-            .ef
-            .step(grad, &mut **codec, state.step)
-            .map_err(codec_error)?;
+        let (c, stats) = local_step(state, grad, "sum-closed")?;
         let sent = match c.into_payload() {
             Payload::F16(mut v) => {
                 self.all_reduce_in_place(&mut v, ReduceOp::Sum)?;
@@ -413,14 +406,7 @@ impl Communicator {
         state: &mut GradientCompressor,
     ) -> Result<(Stats, CompressedPath, u64), Error> {
         let (n, len) = (self.world_size(), grad.len());
-        let codec = state
-            .codec
-            .as_mut()
-            .ok_or_else(|| internal("the sparse path without a codec".into()))?;
-        let (c, stats) = state
-            .ef
-            .step(grad, &mut **codec, state.step)
-            .map_err(codec_error)?;
+        let (c, stats) = local_step(state, grad, "sparse")?;
         let nnz = match c.payload() {
             Payload::Sparse { indices, .. } => indices.len(),
             other => {
@@ -490,14 +476,7 @@ impl Communicator {
             CodecSpec::Sign { block } => (block, "sign"),
             other => return Err(internal(format!("{other} on the two-phase path"))),
         };
-        let codec = state
-            .codec
-            .as_mut()
-            .ok_or_else(|| internal("the two-phase path without a codec".into()))?;
-        let (c, stats) = state
-            .ef
-            .step(grad, &mut **codec, state.step)
-            .map_err(codec_error)?;
+        let (c, stats) = local_step(state, grad, "two-phase")?;
         let parts = shards(len, block, n);
         let mut slot = 0;
         for s in &parts {
@@ -577,4 +556,21 @@ fn ranks_times(n: usize, block: usize, what: &str) -> Result<Vec<u8>, Error> {
         .checked_mul(block)
         .ok_or_else(|| Error::OutOfMemory(format!("{what}: {n} × {block} bytes overflows")))?;
     braid_core::alloc::filled(0u8, total, what)
+}
+
+/// One step of error feedback through the local codec of `state`: the compressed residual and the
+/// step's statistics. `path` names the path in the error if the codec is missing.
+fn local_step(
+    state: &mut GradientCompressor,
+    grad: &[f32],
+    path: &str,
+) -> Result<(Compressed, Stats), Error> {
+    let codec = state
+        .codec
+        .as_mut()
+        .ok_or_else(|| internal(format!("the {path} path without a codec")))?;
+    state
+        .ef
+        .step(grad, &mut **codec, state.step)
+        .map_err(codec_error)
 }
