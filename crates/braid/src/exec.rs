@@ -104,6 +104,36 @@ impl Op {
 }
 
 impl Op {
+    /// An in-place all-gather of `count` elements per rank over the `world × count` elements at
+    /// `base`; this rank's block (`rank`) is the input.
+    ///
+    /// # Safety
+    /// `base` must be valid for reads and writes of `world × count` elements of `dtype` until the op
+    /// has run, and nothing else may access them meanwhile.
+    pub(crate) unsafe fn all_gather_in_place(
+        dtype: DType,
+        count: usize,
+        rank: usize,
+        world: usize,
+        base: *mut u8,
+    ) -> Op {
+        let es = dtype.size();
+        // SAFETY: the caller's contract; the input is this rank's block inside the output, which the
+        // all-gather schedule only reads (and never writes to another block's range).
+        unsafe {
+            Op::new(
+                Kind::AllGather,
+                dtype,
+                ReduceOp::Sum,
+                count,
+                base.add(rank * count * es),
+                count * es,
+                base,
+                world * count * es,
+            )
+        }
+    }
+
     /// A barrier: no buffers.
     pub(crate) fn barrier() -> Op {
         // SAFETY: no memory at all (null with zero lengths).

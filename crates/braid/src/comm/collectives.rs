@@ -370,22 +370,9 @@ impl Communicator {
             )));
         }
         let count = buf.len() / world;
-        let es = T::DTYPE.size();
         let base = buf.as_mut_ptr() as *mut u8;
-        // SAFETY: `buf` is borrowed mutably for the whole call; the send side is this rank's own block
-        // inside it, which the all-gather schedule only reads (and never writes to another block's range).
-        let op = unsafe {
-            Op::new(
-                Kind::AllGather,
-                T::DTYPE,
-                ReduceOp::Sum,
-                count,
-                base.add(self.inner.rank * count * es),
-                count * es,
-                base,
-                buf.len() * es,
-            )
-        };
+        // SAFETY: `buf` holds `world × count` elements and is borrowed mutably for the whole call.
+        let op = unsafe { Op::all_gather_in_place(T::DTYPE, count, self.inner.rank, world, base) };
         self.run_blocking(op)
     }
 

@@ -170,23 +170,11 @@ impl Communicator {
         };
         out[self.inner.rank * count..(self.inner.rank + 1) * count].copy_from_slice(&send);
         drop(send);
-        let es = T::DTYPE.size();
         let mut boxed = Box::new(out);
         let base = boxed.as_mut_ptr() as *mut u8;
-        // SAFETY: the vector's heap buffer is owned by the task until it completes and is not touched by
-        // anyone else meanwhile; the send side is this rank's block inside it (in-place all-gather).
-        let op = unsafe {
-            Op::new(
-                Kind::AllGather,
-                T::DTYPE,
-                ReduceOp::Sum,
-                count,
-                base.add(self.inner.rank * count * es),
-                count * es,
-                base,
-                count * world * es,
-            )
-        };
+        // SAFETY: the vector (`world × count` elements) is owned by the task until it completes and is
+        // not touched by anyone else meanwhile (moving the box does not move its heap buffer).
+        let op = unsafe { Op::all_gather_in_place(T::DTYPE, count, self.inner.rank, world, base) };
         self.submit(op, boxed)
     }
 
