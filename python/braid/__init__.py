@@ -243,6 +243,8 @@ class _CompressStatsC(ctypes.Structure):
         ("dense_bytes", ctypes.c_uint64),
         ("sent_bytes", ctypes.c_uint64),
         ("dense_sent_bytes", ctypes.c_uint64),
+        ("scheduled_density", ctypes.c_double),
+        ("output", ctypes.c_int),
     ]
 
 
@@ -398,10 +400,12 @@ class Work:
 
 
 class Compressor:
-    """The compression state of one float32 tensor of ``length`` elements: codec (``"topk:0.1"``,
-    ``"int8"``, ``"sign"``, ``"fp16"``, ``"powersgd:4"``, ``"none"``, ...; None: ``BRAID_COMPRESS`` or
-    top-k at 10%), error feedback (None: ``BRAID_COMPRESS_EF`` or on) and step counter. Make one per tensor,
-    the same on every rank, and pass it to :meth:`Communicator.all_reduce_compressed` every step."""
+    """The compression state of one float32 tensor of ``length`` elements: the configuration as text, a
+    codec and options (``"topk:0.1"``, ``"int8"``, ``"topk:0.01/momentum=0.9/warmup=200"``,
+    ``"topk:0.1/adam=100"``, ``"powersgd:4"``, ``"none"``, ...; None: the ``BRAID_COMPRESS*`` environment or
+    top-k at 10%), error feedback (None: as the text or environment says, default on) and step counter.
+    Make one per tensor, the same on every rank, and pass it to :meth:`Communicator.all_reduce_compressed`
+    every step."""
 
     def __init__(self, length, codec=None, error_feedback=None):
         ef = -1 if error_feedback is None else (1 if error_feedback else 0)
@@ -612,7 +616,9 @@ class Communicator:
     def all_reduce_compressed(self, grad, compressor, op="avg"):
         """All-reduces the float32 gradient ``grad`` in place, compressed as ``compressor`` says; returns
         the step's statistics as a dict (``path``, ``compression_error``, ``density``, ``grad_norm``,
-        ``wire_bytes``, ``sent_bytes``, ...)."""
+        ``wire_bytes``, ``sent_bytes``, ``scheduled_density``, ``output``, ...). ``output`` is ``"gradient"``,
+        or ``"momentum"`` for Adam-safe compression past its warm-up (``grad`` then holds Adam's first
+        moment averaged over ranks: freeze the optimizer's second moment and step with it)."""
         _array(grad, "grad", writeable=True)
         if grad.dtype != np.float32:
             raise TypeError(f"braid: all_reduce_compressed takes float32, not {grad.dtype}")
@@ -621,6 +627,7 @@ class Communicator:
                                                 self.handle, ctypes.byref(st)))
         out = {name: getattr(st, name) for name, _ in _CompressStatsC._fields_}
         out["path"] = _PATHS[st.path] if 0 <= st.path < len(_PATHS) else st.path
+        out["output"] = "momentum" if st.output == 1 else "gradient"
         return out
 
     # -- asynchronous ------------------------------------------------------------------------------

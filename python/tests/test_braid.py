@@ -155,9 +155,21 @@ class Collectives(unittest.TestCase):
                         want = np.mean([(i * 3 + (r + step) * 7) % 17 - 8 for r in range(self.world)], axis=0)
                         np.testing.assert_array_equal(g, want.astype(np.float32), err_msg=codec)
                 c.reset()
+        with braid.Compressor(n, "topk:0.1/adam=1/noef") as c:
+            outputs = []
+            for step in range(3):
+                g = ((i * 3 + (self.rank + step) * 7) % 17 - 8).astype(np.float32)
+                outputs.append(self.comm.all_reduce_compressed(g, c, op="avg")["output"])
+            self.assertEqual(outputs, ["gradient", "momentum", "momentum"])
+        with braid.Compressor(n, "topk:0.01/warmup=4:0.5") as c:
+            g = np.ones(n, dtype=np.float32)
+            self.assertEqual(self.comm.all_reduce_compressed(g, c)["scheduled_density"], 0.5)
         with self.assertRaises(braid.InvalidArgumentError) as e:
             braid.Compressor(n, "topk:7")
         self.assertIn("codec_spec", str(e.exception))
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            braid.Compressor(n, "dense/momentum=0.9")
+        self.assertIn("momentum correction", str(e.exception))
         with braid.Compressor(n, "int8") as c, self.assertRaises(braid.InvalidArgumentError) as e:
             self.comm.all_reduce_compressed(np.zeros(n - 1, dtype=np.float32), c)
         self.assertIn("len", str(e.exception))

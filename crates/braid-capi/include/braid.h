@@ -172,6 +172,11 @@ typedef int braid_redop;
 typedef int braid_compress_path;
 
 /**
+ * What a compressed all-reduce left in the gradient buffer (`braid_compress_stats.output`).
+ */
+typedef int braid_compress_output;
+
+/**
  * What one `braid_all_reduce_compressed` call did.
  */
 typedef struct braid_compress_stats {
@@ -227,6 +232,15 @@ typedef struct braid_compress_stats {
    * Bytes a dense ring all-reduce of the float gradient would have sent from this rank.
    */
   uint64_t dense_sent_bytes;
+  /**
+   * The density the codec was asked for at this step (the density warm-up's, else the codec's); 0 for
+   * codecs without a density.
+   */
+  double scheduled_density;
+  /**
+   * What the gradient buffer holds now: a `BRAID_OUTPUT_*` code.
+   */
+  braid_compress_output output;
 } braid_compress_stats;
 
 /**
@@ -333,6 +347,17 @@ typedef struct braid_compress_stats {
  * Int8 and sign: compressed shards exchanged, reduced and re-compressed per shard, then all-gathered.
  */
 #define BRAID_PATH_TWO_PHASE 5
+
+/**
+ * The (approximate) sum or average of the ranks' gradients.
+ */
+#define BRAID_OUTPUT_GRADIENT 0
+
+/**
+ * Adam-safe compression (`/adam=STEPS`) past its warm-up: Adam's first moment averaged over ranks; the
+ * caller's Adam freezes its second moment and steps with this moment (see README).
+ */
+#define BRAID_OUTPUT_MOMENTUM 1
 
 #ifdef __cplusplus
 extern "C" {
@@ -548,10 +573,13 @@ enum braid_result braid_reduce(const void *sendbuf,
 enum braid_result braid_barrier(struct braid_comm *comm, void *stream);
 
 /**
- * Makes the compression state for a float tensor of `len` elements. `codec_spec` is the codec as text:
- * `none`, `fp16`, `bf16`, `int8`, `int8:BLOCK`, `sign`, `topk:DENSITY`, `randomk:DENSITY`,
- * `powersgd:RANK`, ...; NULL takes `BRAID_COMPRESS` or the default, top-k at 10%. `error_feedback` is 1
- * (remember what compression dropped and add it to the next gradient), 0, or -1 (`BRAID_COMPRESS_EF`,
+ * Makes the compression state for a float tensor of `len` elements. `codec_spec` is the configuration as
+ * text, the grammar `BRAID_COMPRESS` and `braid compress-eval` use: a codec (`none`, `fp16`, `bf16`,
+ * `int8`, `int8:BLOCK`, `sign`, `topk:DENSITY`, `randomk:DENSITY`, `powersgd:RANK`, ...) followed by
+ * options (`/noef`, `/clip=X`, `/gclip=X`, `/momentum=M`, `/warmup=STEPS[:START]`, `/adam=STEPS`, ...; see
+ * README), the defaults for what it does not say; NULL takes the environment (`BRAID_COMPRESS` and the
+ * other `BRAID_COMPRESS_*` variables) or the default, top-k at 10%. `error_feedback` is 1 (remember what
+ * compression dropped and add it to the next gradient), 0, or -1 (as the text, or the environment, says;
  * default on). Every rank must make the same compressor for the same tensor.
  *
  * # Safety

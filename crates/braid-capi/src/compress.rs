@@ -4,7 +4,7 @@
 use std::ffi::{c_char, c_int, CStr};
 use std::sync::Mutex;
 
-use braid_rt::{CodecSpec, CompressedPath, CompressionConfig, GradientCompressor};
+use braid_rt::{CompressedPath, CompressionConfig, GradientCompressor, Output};
 
 use crate::collectives::{bytes_of, checked_comm, redop_of, Region};
 use crate::guard::{guard, invalid};
@@ -62,7 +62,20 @@ pub struct braid_compress_stats {
     pub sent_bytes: u64,
     /// Bytes a dense ring all-reduce of the float gradient would have sent from this rank.
     pub dense_sent_bytes: u64,
+    /// The density the codec was asked for at this step (the density warm-up's, else the codec's); 0 for
+    /// codecs without a density.
+    pub scheduled_density: f64,
+    /// What the gradient buffer holds now: a `BRAID_OUTPUT_*` code.
+    pub output: braid_compress_output,
 }
+
+/// What a compressed all-reduce left in the gradient buffer (`braid_compress_stats.output`).
+pub type braid_compress_output = c_int;
+/// The (approximate) sum or average of the ranks' gradients.
+pub const BRAID_OUTPUT_GRADIENT: braid_compress_output = 0;
+/// Adam-safe compression (`/adam=STEPS`) past its warm-up: Adam's first moment averaged over ranks; the
+/// caller's Adam freezes its second moment and steps with this moment (see README).
+pub const BRAID_OUTPUT_MOMENTUM: braid_compress_output = 1;
 
 fn path_code(p: CompressedPath) -> braid_compress_path {
     match p {
@@ -75,10 +88,13 @@ fn path_code(p: CompressedPath) -> braid_compress_path {
     }
 }
 
-/// Makes the compression state for a float tensor of `len` elements. `codec_spec` is the codec as text:
-/// `none`, `fp16`, `bf16`, `int8`, `int8:BLOCK`, `sign`, `topk:DENSITY`, `randomk:DENSITY`,
-/// `powersgd:RANK`, ...; NULL takes `BRAID_COMPRESS` or the default, top-k at 10%. `error_feedback` is 1
-/// (remember what compression dropped and add it to the next gradient), 0, or -1 (`BRAID_COMPRESS_EF`,
+/// Makes the compression state for a float tensor of `len` elements. `codec_spec` is the configuration as
+/// text, the grammar `BRAID_COMPRESS` and `braid compress-eval` use: a codec (`none`, `fp16`, `bf16`,
+/// `int8`, `int8:BLOCK`, `sign`, `topk:DENSITY`, `randomk:DENSITY`, `powersgd:RANK`, ...) followed by
+/// options (`/noef`, `/clip=X`, `/gclip=X`, `/momentum=M`, `/warmup=STEPS[:START]`, `/adam=STEPS`, ...; see
+/// README), the defaults for what it does not say; NULL takes the environment (`BRAID_COMPRESS` and the
+/// other `BRAID_COMPRESS_*` variables) or the default, top-k at 10%. `error_feedback` is 1 (remember what
+/// compression dropped and add it to the next gradient), 0, or -1 (as the text, or the environment, says;
 /// default on). Every rank must make the same compressor for the same tensor.
 ///
 /// # Safety
@@ -92,17 +108,18 @@ pub unsafe extern "C" fn braid_compressor_create(
 ) -> braid_result {
     guard("braid_compressor_create", || {
         need_out(out, "out")?;
-        let mut config = CompressionConfig::from_env()?;
-        if !codec_spec.is_null() {
+        let mut config = if codec_spec.is_null() {
+            CompressionConfig::from_env()?
+        } else {
             // SAFETY: not NULL, and the caller promises a NUL-terminated string.
             let text = unsafe { CStr::from_ptr(codec_spec) }
                 .to_str()
                 .map_err(|_| invalid("codec_spec is not UTF-8"))?;
-            config.codec = text.parse::<CodecSpec>().map_err(|e| match e {
+            text.parse::<CompressionConfig>().map_err(|e| match e {
                 braid_rt::Error::InvalidArgument(m) => invalid(format!("codec_spec: {m}")),
                 other => other,
-            })?;
-        }
+            })?
+        };
         match error_feedback {
             -1 => {}
             0 | 1 => config.error_feedback = error_feedback == 1,
@@ -220,6 +237,11 @@ pub unsafe extern "C" fn braid_all_reduce_compressed(
             dense_bytes: s.dense_bytes as u64,
             sent_bytes: report.sent_bytes,
             dense_sent_bytes: report.dense_sent_bytes,
+            scheduled_density: report.scheduled_density.map_or(0.0, f64::from),
+            output: match report.output {
+                Output::Gradient => BRAID_OUTPUT_GRADIENT,
+                Output::Momentum => BRAID_OUTPUT_MOMENTUM,
+            },
         };
         // SAFETY: not NULL; writable per the contract.
         unsafe { write_out(out_stats, stats, "out_stats") }

@@ -231,6 +231,14 @@ pub fn l2_norm(x: &[f32]) -> f64 {
 /// The error buffer acts as hidden momentum: the update at step `t` mixes gradients from earlier steps, which
 /// compounds with the optimizer's own momentum; some users lower explicit momentum when compressing hard.
 ///
+/// **Momentum correction** ([`with_momentum`](Self::with_momentum), Deep Gradient Compression, Lin et al.
+/// 2018) makes that momentum explicit instead: the step keeps a velocity `u ← m·u + g·c` and forms the
+/// residual from the velocity, `residual = u + decay·error`; after compressing, it clears the velocity
+/// wherever the update is non-zero (momentum factor masking), so a coordinate's momentum restarts once it
+/// has been applied. The caller then runs **plain SGD** (its own momentum off) on the summed updates: the
+/// momentum lives here, once, and the coordinates that wait between sends keep theirs. (Sending every
+/// coordinate every step sends the gradient itself: dense momentum correction is SGD without momentum.)
+///
 /// The same type serves as the second error buffer of two-phase compressed all-reduce: give it the reduced
 /// f32 chunk a rank owns, and re-compress that with its own `ErrorFeedback` of the chunk's length.
 #[derive(Clone, Debug, PartialEq)]
@@ -242,6 +250,10 @@ pub struct ErrorFeedback {
     pub decay: f32,
     /// L2 bound the local gradient is clipped to before the error is added; `None` for no clipping.
     pub clip: Option<f32>,
+    /// Momentum factor of momentum correction in `[0, 1)`; 0 turns it off.
+    momentum: f32,
+    /// Momentum correction's velocity (empty when it is off).
+    velocity: Vec<f32>,
     update: Vec<f32>,
     staleness: Staleness,
 }
@@ -253,6 +265,8 @@ impl ErrorFeedback {
             error: vec![0.0; len],
             decay: 1.0,
             clip: None,
+            momentum: 0.0,
+            velocity: Vec::new(),
             update: vec![0.0; len],
             staleness: Staleness::new(len),
         }
@@ -265,6 +279,8 @@ impl ErrorFeedback {
             error: crate::error::zeros(len, "error-feedback residual")?,
             decay: 1.0,
             clip: None,
+            momentum: 0.0,
+            velocity: Vec::new(),
             update: crate::error::zeros(len, "error-feedback update")?,
             staleness: Staleness::try_new(len)?,
         })
@@ -298,6 +314,34 @@ impl ErrorFeedback {
         }
         self.clip = Some(max_norm);
         Ok(self)
+    }
+
+    /// Turns on momentum correction with momentum factor `momentum` in `[0, 1)` (0.9 in DGC; 0 turns it
+    /// off). See the type documentation: the caller's optimizer must then run without its own momentum.
+    pub fn with_momentum(mut self, momentum: f32) -> Result<Self> {
+        if !(0.0..1.0).contains(&momentum) {
+            return Err(Error::InvalidParameter(format!(
+                "momentum correction: the momentum factor must be in [0, 1), got {momentum}"
+            )));
+        }
+        self.momentum = momentum;
+        self.velocity = if momentum == 0.0 {
+            Vec::new()
+        } else {
+            crate::error::zeros(self.error.len(), "momentum-correction velocity")?
+        };
+        Ok(self)
+    }
+
+    /// The momentum factor of momentum correction (0 when it is off).
+    pub fn momentum(&self) -> f32 {
+        self.momentum
+    }
+
+    /// Momentum correction's velocity after the last step's masking (empty when it is off). Save it with
+    /// checkpoints, as the error buffer.
+    pub fn velocity(&self) -> &[f32] {
+        &self.velocity
     }
 
     /// Number of elements.
@@ -337,16 +381,35 @@ impl ErrorFeedback {
             Some(max) if grad_norm > max as f64 => (max as f64 / grad_norm) as f32,
             _ => 1.0,
         };
-        let decay = self.decay;
-        for (e, &g) in self.error.iter_mut().zip(grad) {
-            let g = if clip_scale == 1.0 { g } else { g * clip_scale };
-            *e = if decay == 0.0 { g } else { g + decay * *e };
+        let (decay, m) = (self.decay, self.momentum);
+        if m == 0.0 {
+            for (e, &g) in self.error.iter_mut().zip(grad) {
+                let g = if clip_scale == 1.0 { g } else { g * clip_scale };
+                *e = if decay == 0.0 { g } else { g + decay * *e };
+            }
+        } else {
+            if self.velocity.len() != len {
+                self.velocity = crate::error::zeros(len, "momentum-correction velocity")?;
+            }
+            for ((e, v), &g) in self.error.iter_mut().zip(&mut self.velocity).zip(grad) {
+                let g = if clip_scale == 1.0 { g } else { g * clip_scale };
+                *v = m * *v + g;
+                *e = if decay == 0.0 { *v } else { *v + decay * *e };
+            }
         }
         let residual_norm = l2_norm(&self.error);
         let compressed = codec.compress(&self.error, step);
         codec.decompress(&compressed, &mut self.update)?;
         for (e, &u) in self.error.iter_mut().zip(&self.update) {
             *e -= u;
+        }
+        if m != 0.0 {
+            // Momentum factor masking: what was applied restarts its momentum.
+            for (v, &u) in self.velocity.iter_mut().zip(&self.update) {
+                if u != 0.0 {
+                    *v = 0.0;
+                }
+            }
         }
         let error_norm = l2_norm(&self.error);
         let staleness = self.staleness.observe(&self.update)?;
@@ -369,9 +432,11 @@ impl ErrorFeedback {
         &self.staleness
     }
 
-    /// Zeroes the error buffer and the staleness counters (after loading a checkpoint without them).
+    /// Zeroes the error buffer, the velocity and the staleness counters (after loading a checkpoint
+    /// without them).
     pub fn reset(&mut self) {
         self.error.fill(0.0);
+        self.velocity.fill(0.0);
         self.update.fill(0.0);
         self.staleness.reset();
     }

@@ -31,10 +31,10 @@
 mod codec;
 mod error;
 mod feedback;
-mod momentum;
 pub mod rng;
 mod select;
 mod spec;
+mod warmup;
 pub mod wire;
 
 pub use codec::cast::Cast;
@@ -48,6 +48,6 @@ pub use feedback::{
     l2_norm, warnings, ErrorFeedback, Staleness, StalenessHistogram, Stats, ADAPTIVE_MIN_DENSITY,
     LAGGING_MIN_DENSITY, STALENESS_BUCKETS,
 };
-pub use momentum::{warmup_density, MomentumCorrection, Selected};
 pub use spec::{build_codec, echo_input, BoxedCodec, CodecSpec};
+pub use warmup::DensityWarmup;
 pub use wire::{Compressed, Payload};

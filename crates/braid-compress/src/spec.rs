@@ -84,6 +84,26 @@ impl CodecSpec {
         }
     }
 
+    /// The density of a codec that keeps a fraction of the elements (top-k, threshold top-k, random-k).
+    pub fn density(&self) -> Option<f32> {
+        match *self {
+            CodecSpec::TopK { density }
+            | CodecSpec::ThresholdTopK { density }
+            | CodecSpec::RandomK { density } => Some(density),
+            _ => None,
+        }
+    }
+
+    /// The same codec at another density; codecs without one are returned unchanged.
+    pub fn with_density(self, density: f32) -> CodecSpec {
+        match self {
+            CodecSpec::TopK { .. } => CodecSpec::TopK { density },
+            CodecSpec::ThresholdTopK { .. } => CodecSpec::ThresholdTopK { density },
+            CodecSpec::RandomK { .. } => CodecSpec::RandomK { density },
+            other => other,
+        }
+    }
+
     /// Checks the parameters; an error names what is wrong.
     pub fn validate(&self) -> Result<(), Error> {
         let bad = |why: String| Err(Error::invalid(format!("compression codec {self}: {why}")));

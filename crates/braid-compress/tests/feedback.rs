@@ -285,3 +285,85 @@ fn the_adam_warning_fires_below_one_percent() {
     assert_eq!(stats.warnings(true).len(), 1);
     assert!(stats.warnings(false).is_empty());
 }
+
+// Momentum correction (DGC): the velocity lives in the error feedback; the caller runs plain SGD.
+
+#[test]
+fn momentum_correction_with_every_coordinate_sent_is_plain_sgd() {
+    // Masking clears the velocity wherever it sends, so sending everything sends the gradient itself:
+    // the momentum lives only in coordinates that wait between sends.
+    let mut ef = ErrorFeedback::new(3).with_momentum(0.9).unwrap();
+    let mut all = TopK::new(1.0).unwrap();
+    for (step, g) in [[1.0, -2.0, 0.5], [0.5, 0.5, -1.0]].iter().enumerate() {
+        let (c, _) = ef.step(g, &mut all, step as u64).unwrap();
+        assert_eq!(c.to_dense(), g.to_vec());
+        assert!(ef.velocity().iter().chain(&ef.error).all(|x| *x == 0.0));
+    }
+}
+
+#[test]
+fn momentum_correction_loses_nothing_sent_plus_residual_is_the_accumulated_velocity() {
+    let len = 50;
+    let mut ef = ErrorFeedback::new(len).with_momentum(0.9).unwrap();
+    let mut codec = TopK::new(0.1).unwrap();
+    let (mut sent, mut accumulated, mut u) = (vec![0f64; len], vec![0f64; len], vec![0f64; len]);
+    for step in 0..40u64 {
+        let g = grad(step, len);
+        for i in 0..len {
+            u[i] = 0.9 * u[i] + g[i] as f64;
+            accumulated[i] += u[i];
+        }
+        let (c, stats) = ef.step(&g, &mut codec, step).unwrap();
+        assert_eq!(stats.density, 0.1);
+        for (i, v) in c.to_dense().into_iter().enumerate() {
+            if v != 0.0 {
+                sent[i] += v as f64;
+                // Masking: the reference's momentum restarts there too.
+                u[i] = 0.0;
+            }
+        }
+        for i in 0..len {
+            let total = sent[i] + ef.error[i] as f64;
+            assert!(
+                (total - accumulated[i]).abs() < 1e-3 * (1.0 + accumulated[i].abs()),
+                "step {step} element {i}: {total} vs {}",
+                accumulated[i]
+            );
+            assert!((ef.velocity()[i] as f64 - u[i]).abs() < 1e-3 * (1.0 + u[i].abs()));
+        }
+    }
+}
+
+#[test]
+fn momentum_correction_sends_the_largest_residuals_and_masks_their_momentum() {
+    let mut ef = ErrorFeedback::new(4).with_momentum(0.5).unwrap();
+    let mut codec = TopK::new(0.5).unwrap();
+    let (c, _) = ef.step(&[0.1, -3.0, 2.0, 0.2], &mut codec, 0).unwrap();
+    assert_eq!(c.to_dense(), vec![0.0, -3.0, 2.0, 0.0]);
+    assert_eq!(ef.error, vec![0.1, 0.0, 0.0, 0.2]);
+    assert_eq!(ef.velocity(), &[0.1, 0.0, 0.0, 0.2]);
+    // Next step: the unsent keep their momentum (u = 0.5·0.1 + 0.1 = 0.15, residual 0.25; element 3:
+    // u = 0.5·0.2 + 0.01 = 0.11, residual 0.31), the sent start afresh from their new gradient (0).
+    let mut one = TopK::new(0.25).unwrap();
+    let (c, _) = ef.step(&[0.1, 0.0, 0.0, 0.01], &mut one, 1).unwrap();
+    let d = c.to_dense();
+    assert_eq!(d[..3], [0.0, 0.0, 0.0]);
+    assert!((d[3] - 0.31).abs() < 1e-6, "{d:?}");
+    assert_eq!(ef.velocity()[3], 0.0, "sent, so masked");
+    assert!((ef.velocity()[0] - 0.15).abs() < 1e-6);
+    assert!((ef.error[0] - 0.25).abs() < 1e-6);
+    assert_eq!(ef.velocity()[1..3], [0.0, 0.0]);
+    // A reset clears the velocity too.
+    ef.reset();
+    assert!(ef.velocity().iter().all(|v| *v == 0.0));
+}
+
+#[test]
+fn momentum_correction_refuses_a_bad_factor_and_zero_turns_it_off() {
+    for bad in [1.0, -0.1, f32::NAN] {
+        assert!(ErrorFeedback::new(3).with_momentum(bad).is_err(), "{bad}");
+    }
+    let ef = ErrorFeedback::new(3).with_momentum(0.0).unwrap();
+    assert_eq!(ef.momentum(), 0.0);
+    assert!(ef.velocity().is_empty());
+}

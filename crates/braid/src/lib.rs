@@ -36,7 +36,8 @@ pub use braid_core::{Config, DType, DebugLevel, Element, Error, ReduceOp, Result
 pub use braid_topo;
 pub use comm::Communicator;
 pub use compressed::{
-    CodecSpec, CompressedPath, CompressedReport, CompressionConfig, GradientCompressor,
+    AdamSafe, ClipScope, CodecSpec, CompressedPath, CompressedReport, CompressionConfig,
+    DensityWarmup, GradientCompressor, Output,
 };
 pub use id::UniqueId;
 pub use job::JobEnv;

@@ -2,6 +2,7 @@
  * its path; the lossless ones (none, fp16 on small integers) give the exact average; error feedback
  * carries what top-k dropped into the next step; bad input is rejected without effect.
  * Run as every rank of `braid run -n N`. */
+#include <math.h>
 #include <stdint.h>
 
 #include "check.h"
@@ -90,6 +91,35 @@ int main(void) {
     CHECK(braid_all_reduce_compressed((float *)(void *)(raw + 1), LEN, BRAID_SUM, c, comm, NULL));
     free(raw);
     CHECK(braid_compressor_destroy(c));
+  }
+
+  /* Options in the codec text: momentum correction, a density warm-up, Adam-safe compression. */
+  {
+    braid_compressor *mc, *adam;
+    CHECK(braid_compressor_create(&mc, "topk:0.01/momentum=0.9/warmup=2:0.5", -1, LEN));
+    CHECK(braid_compressor_create(&adam, "topk:0.1/adam=1", -1, LEN));
+    for (int step = 0; step < 3; step++) {
+      braid_compress_stats st;
+      fill(g, g_rank + step);
+      CHECK(braid_all_reduce_compressed(g, LEN, BRAID_AVG, mc, comm, &st));
+      EXPECT(st.output == BRAID_OUTPUT_GRADIENT, "momentum correction: output %d", st.output);
+      EXPECT(step > 0 || st.scheduled_density == 0.5, "warm-up starts at %g", st.scheduled_density);
+      EXPECT(step < 2 || fabs(st.scheduled_density - 0.01) < 1e-7, "warm-up ends at %g",
+             st.scheduled_density);
+      fill(g, g_rank + step);
+      CHECK(braid_all_reduce_compressed(g, LEN, BRAID_AVG, adam, comm, &st));
+      EXPECT(st.output == (step == 0 ? BRAID_OUTPUT_GRADIENT : BRAID_OUTPUT_MOMENTUM),
+             "Adam-safe step %d: output %d", step, st.output);
+      EXPECT(step > 0 || st.path == BRAID_PATH_DENSE, "Adam-safe warm-up is dense, path %d", st.path);
+    }
+    EXPECT(braid_all_reduce_compressed(g, LEN, BRAID_SUM, adam, comm, NULL) == BRAID_INVALID_ARGUMENT &&
+               strstr(braid_get_last_error_message(), "avg"),
+           "Adam-safe with sum: %s", braid_get_last_error_message());
+    EXPECT(braid_compressor_create(&mc, "int8/warmup=5", 1, LEN) == BRAID_INVALID_ARGUMENT &&
+               strstr(braid_get_last_error_message(), "warm-up"),
+           "message: %s", braid_get_last_error_message());
+    CHECK(braid_compressor_destroy(mc));
+    CHECK(braid_compressor_destroy(adam));
   }
 
   /* Hostile input: rejected, gradient unchanged. */

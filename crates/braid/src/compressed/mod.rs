@@ -25,7 +25,7 @@ use std::fmt;
 
 use braid_compress::power_sgd::matrix_shape;
 use braid_compress::{build_codec, ErrorFeedback, Staleness, Stats, DEFAULT_DENSITY};
-pub use braid_compress::{BoxedCodec, CodecSpec};
+pub use braid_compress::{BoxedCodec, CodecSpec, DensityWarmup};
 use braid_core::{parse_bool, Error};
 
 /// Bytes of a compressed tensor's header (`braid_compress::wire`).
@@ -70,9 +70,24 @@ pub struct CompressionConfig {
     pub error_feedback: bool,
     /// Weight of the remembered error in `[0, 1]` (`None`: 1). Ignored without error feedback.
     pub decay: Option<f32>,
-    /// L2 bound the local gradient is clipped to before compression, on every path including the dense
-    /// one (`None`: no clipping).
+    /// L2 bound the gradient is clipped to before compression, on every path including the dense one
+    /// (`None`: no clipping). [`clip_scope`](Self::clip_scope) says whose norm it bounds.
     pub clip_norm: Option<f32>,
+    /// Whether `clip_norm` bounds each rank's local gradient or the all-reduced one.
+    pub clip_scope: ClipScope,
+    /// Momentum correction (Deep Gradient Compression) with this momentum factor in `[0, 1)`: the
+    /// compressor keeps the velocity and accumulates it, not the gradient, into the error buffer, and
+    /// clears the momentum of what it sent. The caller's optimizer must then be **plain SGD, its own
+    /// momentum off**, or the momentum counts twice. Needs a codec that compresses locally (not dense,
+    /// not PowerSGD). `None`: off.
+    pub momentum: Option<f32>,
+    /// Density warm-up (top-k, threshold top-k, random-k): the density falls exponentially from the
+    /// warm-up's start to the codec's density over its first steps. `None`: the codec's density throughout.
+    pub warmup: Option<DensityWarmup>,
+    /// Adam-safe compression (after 1-bit Adam): dense steps first, then the compressor keeps Adam's first
+    /// moment and all-reduces it compressed with error feedback instead of the gradient; the caller
+    /// freezes its second moment. See [`AdamSafe`]. `None`: off.
+    pub adam: Option<AdamSafe>,
     /// Top-k only: when the ranks' non-zeros add up to more than `dense_switch · len`, the sparse updates
     /// are all-reduced densely instead of all-gathered (≥ 0; infinity never switches).
     pub dense_switch: f64,
@@ -92,6 +107,10 @@ impl Default for CompressionConfig {
             error_feedback: true,
             decay: None,
             clip_norm: None,
+            clip_scope: ClipScope::Local,
+            momentum: None,
+            warmup: None,
+            adam: None,
             dense_switch: 0.5,
             adaptive_optimizer: false,
             seed: 0,
@@ -100,7 +119,8 @@ impl Default for CompressionConfig {
 }
 
 impl CompressionConfig {
-    /// The defaults overridden by `BRAID_COMPRESS` (codec text), `BRAID_COMPRESS_EF` (0/1),
+    /// The defaults overridden by `BRAID_COMPRESS` (the text form, codec and options, see
+    /// [`FromStr`](#impl-FromStr-for-CompressionConfig)), then by `BRAID_COMPRESS_EF` (0/1),
     /// `BRAID_COMPRESS_CLIP` (max norm, or `none`), `BRAID_COMPRESS_DECAY` and
     /// `BRAID_COMPRESS_DENSE_SWITCH`. A bad value is an [`Error::InvalidArgument`] naming the variable.
     pub fn from_env() -> Result<Self, Error> {
@@ -114,7 +134,7 @@ impl CompressionConfig {
             Error::invalid(format!("{var}={}: {why}", braid_compress::echo_input(v)))
         };
         if let Some(v) = lookup("BRAID_COMPRESS") {
-            c.codec = v
+            c = v
                 .parse()
                 .map_err(|e| named("BRAID_COMPRESS", &v, message(e)))?;
         }
@@ -163,6 +183,14 @@ impl CompressionConfig {
         Ok(c)
     }
 
+    /// The bound each rank clips its own gradient to before compressing (none under global clipping).
+    fn local_clip(&self) -> Option<f32> {
+        match self.clip_scope {
+            ClipScope::Local => self.clip_norm,
+            ClipScope::Global => None,
+        }
+    }
+
     /// Checks every field; an error names what is wrong.
     pub fn validate(&self) -> Result<(), Error> {
         self.codec.validate()?;
@@ -186,8 +214,101 @@ impl CompressionConfig {
                 self.dense_switch
             )));
         }
+        let codec = self.codec;
+        if let Some(m) = self.momentum {
+            if !(0.0..1.0).contains(&m) {
+                return Err(Error::invalid(format!(
+                    "momentum correction: the momentum factor {m} is not in [0, 1)"
+                )));
+            }
+            if matches!(codec, CodecSpec::Dense | CodecSpec::PowerSgd { .. }) {
+                return Err(Error::invalid(format!(
+                    "momentum correction needs a codec that compresses each rank's residual (top-k,                      random-k, int8, sign, fp16, bf16), not {codec}"
+                )));
+            }
+            if self.adam.is_some() {
+                return Err(Error::invalid(
+                    "momentum correction and Adam-safe compression both keep the momentum: choose one"
+                        .to_string(),
+                ));
+            }
+        }
+        if let Some(w) = self.warmup {
+            DensityWarmup::new(w.start, w.steps).map_err(|e| Error::invalid(e.to_string()))?;
+            if codec.density().is_none() {
+                return Err(Error::invalid(format!(
+                    "density warm-up needs a codec with a density (top-k, threshold top-k, random-k), not                      {codec}"
+                )));
+            }
+        }
+        if let Some(a) = self.adam {
+            if !(0.0..1.0).contains(&a.beta1) {
+                return Err(Error::invalid(format!(
+                    "Adam-safe compression: beta1 {} is not in [0, 1)",
+                    a.beta1
+                )));
+            }
+        }
         Ok(())
     }
+}
+
+/// Whose gradient [`CompressionConfig::clip_norm`] bounds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ClipScope {
+    /// Each rank clips its own gradient to the bound before compressing it (the bound then applies to
+    /// a rank's gradient, not to what the step applies).
+    #[default]
+    Local,
+    /// The bound applies to the all-reduced gradient, as `clip_grad_norm_` after a dense all-reduce does.
+    /// On the dense path the all-reduced gradient itself is clipped (exact). On a compressing path the
+    /// ranks first all-reduce their local norms (one 8-byte all-reduce) and every rank scales its gradient
+    /// by `min(1, clip / G)` before compressing, where `G` is the sum of the local norms (the mean for
+    /// [`ReduceOp::Avg`](crate::ReduceOp::Avg)): by the triangle inequality `G` bounds the all-reduced
+    /// gradient's norm, so the step never exceeds the bound, and it equals it when the ranks' gradients
+    /// point the same way.
+    Global,
+}
+
+/// Adam-safe compression, after 1-bit Adam (Tang et al. 2021): Adam's second moment is what compression
+/// miscalibrates, and after a short warm-up it changes slowly, so it is frozen and only the first moment
+/// is communicated — compressed, with error feedback.
+///
+/// * Steps `0 .. warmup_steps`: the gradient is all-reduced **dense**; the caller runs ordinary Adam.
+///   The compressor tracks the first moment `m ← β1·m + (1−β1)·ḡ` of the averaged gradient `ḡ`, exactly
+///   as the caller's Adam does.
+/// * From step `warmup_steps` on: each rank forms `β1·m + (1−β1)·g` from its own gradient, that is
+///   compressed (with error feedback) and averaged, and the average becomes `m` on every rank. The call
+///   returns `m` in the gradient buffer and [`Output::Momentum`] in its report; the caller **freezes its
+///   second moment `v` at its value after the warm-up** and steps `x ← x − lr·m / (√v + ε)` (no bias
+///   correction of `m` past the warm-up: `m` is no longer biased towards 0).
+///
+/// The op must be [`ReduceOp::Avg`](crate::ReduceOp::Avg).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamSafe {
+    /// Dense steps before the first moment is compressed (1-bit Adam uses 15–25% of training; a few
+    /// hundred steps is typical).
+    pub warmup_steps: u64,
+    /// Adam's β1, the same as the caller's optimizer (0.9).
+    pub beta1: f32,
+}
+
+impl Default for AdamSafe {
+    fn default() -> Self {
+        AdamSafe {
+            warmup_steps: 100,
+            beta1: 0.9,
+        }
+    }
+}
+
+/// What a compressed all-reduce left in the gradient buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// The (approximate) sum or average of the ranks' gradients.
+    Gradient,
+    /// Adam-safe compression past its warm-up: Adam's first moment, averaged over ranks.
+    Momentum,
 }
 
 /// The text of an error without its kind prefix.
@@ -229,6 +350,11 @@ pub struct CompressedReport {
     pub dense_sent_bytes: u64,
     /// The seed's warnings for this step's density (see [`braid_compress::warnings`]).
     pub warnings: Vec<String>,
+    /// The density the codec was asked for at this step (the warm-up's, else the codec's); `None` for
+    /// codecs without a density.
+    pub scheduled_density: Option<f32>,
+    /// What the gradient buffer holds now.
+    pub output: Output,
 }
 
 /// The compression state of one tensor or bucket: codec, error buffers, step counter, last statistics.
@@ -247,6 +373,10 @@ pub struct GradientCompressor {
     server: Option<(usize, usize, BoxedCodec, ErrorFeedback)>,
     /// PowerSGD's warm-started Q.
     warm_q: Option<Vec<f32>>,
+    /// The density the codec was built for (warm-up rebuilds it when the schedule moves).
+    codec_density: Option<f32>,
+    /// Adam-safe compression's first moment (empty before the first call).
+    adam_m: Vec<f32>,
     last: Option<Stats>,
     warned: bool,
 }
@@ -300,11 +430,18 @@ impl GradientCompressor {
             }
         }
         let codec = build_codec(config.codec, config.seed)?;
-        let ef = Self::error_feedback(&config, len, config.clip_norm)?;
+        // Adam-safe compression clips the gradient before it enters the first moment, not the moment.
+        let ef_clip = config.local_clip().filter(|_| config.adam.is_none());
+        let mut ef = Self::error_feedback(&config, len, ef_clip)?;
+        if let Some(m) = config.momentum {
+            ef = ef.with_momentum(m).map_err(codec_error)?;
+        }
         Ok(GradientCompressor {
             len,
             step: 0,
             codec,
+            codec_density: config.codec.density(),
+            adam_m: Vec::new(),
             ef,
             staleness: Staleness::try_new(len).map_err(codec_error)?,
             server: None,
@@ -343,6 +480,23 @@ impl GradientCompressor {
         self.len == 0
     }
 
+    /// The density the codec is asked for at this step under the warm-up (rebuilding the codec when the
+    /// schedule moves); `None` for codecs without a density.
+    fn schedule_density(&mut self) -> Result<Option<f32>, Error> {
+        let Some(target) = self.config.codec.density() else {
+            return Ok(None);
+        };
+        let want = self
+            .config
+            .warmup
+            .map_or(target, |w| w.density(target, self.step));
+        if self.codec_density != Some(want) {
+            self.codec = build_codec(self.config.codec.with_density(want), self.config.seed)?;
+            self.codec_density = Some(want);
+        }
+        Ok(Some(want))
+    }
+
     /// The configuration.
     pub fn config(&self) -> &CompressionConfig {
         &self.config
@@ -364,6 +518,17 @@ impl GradientCompressor {
         &self.ef.error
     }
 
+    /// Momentum correction's velocity (empty when it is off). Save it with checkpoints, as the error.
+    pub fn velocity(&self) -> &[f32] {
+        self.ef.velocity()
+    }
+
+    /// Adam-safe compression's first moment, the same on every rank (empty when it is off or before the
+    /// first call).
+    pub fn adam_momentum(&self) -> &[f32] {
+        &self.adam_m
+    }
+
     /// Two-phase codecs (int8, sign): the second error buffer of the shard this rank owns, empty before
     /// the first call.
     pub fn shard_error(&self) -> &[f32] {
@@ -375,6 +540,7 @@ impl GradientCompressor {
     pub fn reset(&mut self) {
         self.ef.reset();
         self.staleness.reset();
+        self.adam_m.clear();
         self.server = None;
         self.warm_q = None;
         if let Some(c) = &mut self.codec {
@@ -384,4 +550,5 @@ impl GradientCompressor {
     }
 }
 
+mod config;
 mod paths;

@@ -13,8 +13,8 @@ use braid_sched::partition;
 use tracing::{debug, warn};
 
 use super::{
-    codec_error, shard_seed, CodecSpec, CompressedPath, CompressedReport, GradientCompressor,
-    PathOf, HEADER,
+    codec_error, shard_seed, ClipScope, CodecSpec, CompressedPath, CompressedReport,
+    GradientCompressor, Output, PathOf, HEADER,
 };
 use crate::{Collective, Communicator};
 
@@ -141,16 +141,72 @@ impl Communicator {
                 state.len
             )));
         }
+        let adam = state.config.adam;
+        if adam.is_some() && op != ReduceOp::Avg {
+            return Err(Error::invalid(format!(
+                "all_reduce_compressed: Adam-safe compression averages the first moment; the op must be avg, \
+                 got {op}"
+            )));
+        }
         let (n, len) = (self.world_size(), state.len);
         if self.config().debug_checks {
             self.check_same_compression(state)?;
         }
+        let scheduled_density = state.schedule_density()?;
+        // Adam-safe compression: dense through the warm-up, then the local first moment goes through the
+        // codec in place of the gradient.
+        let adam_dense = adam.is_some_and(|a| state.step < a.warmup_steps);
         let spec = state.config.codec;
-        let (stats, path, sent) = if len == 0 {
-            let stats = stats_for(&mut state.staleness, &[], (0.0, 1.0, 0.0, 0.0), 0)?;
-            (stats, spec.nominal_path(), 0)
+        let path = if adam_dense {
+            CompressedPath::Dense
         } else {
-            match spec.nominal_path() {
+            spec.nominal_path()
+        };
+        let global_clip = match (state.config.clip_scope, state.config.clip_norm) {
+            (ClipScope::Global, Some(max)) if len > 0 => Some(max),
+            _ => None,
+        };
+        // Clipping before compression where error feedback does not do it: global clipping on a
+        // compressing path (every rank scales by the bound the local norms give), and Adam-safe
+        // compression, which clips the gradient before it enters the first moment.
+        let mut pre_clip = None;
+        let mut clip_sent = 0;
+        if path != CompressedPath::Dense {
+            if let Some(max) = global_clip {
+                let local = l2_norm(grad);
+                let mut total = [local];
+                self.all_reduce_in_place(&mut total, ReduceOp::Sum)?;
+                clip_sent = self.all_reduce_sent(1, DType::F64);
+                let bound = if op == ReduceOp::Avg {
+                    total[0] / n as f64
+                } else {
+                    total[0]
+                };
+                pre_clip = Some((local, clip_scale(Some(max), bound)));
+            } else if adam.is_some() {
+                let local = l2_norm(grad);
+                pre_clip = Some((local, clip_scale(state.config.local_clip(), local)));
+            }
+            if let Some((_, scale)) = pre_clip.filter(|(_, s)| *s != 1.0) {
+                grad.iter_mut().for_each(|x| *x *= scale);
+            }
+        }
+        if let Some(a) = adam {
+            if state.adam_m.len() != len {
+                state.adam_m = braid_core::alloc::filled(0.0f32, len, "Adam-safe first moment")?;
+            }
+            if !adam_dense {
+                let b = a.beta1;
+                for (g, m) in grad.iter_mut().zip(&state.adam_m) {
+                    *g = b * *m + (1.0 - b) * *g;
+                }
+            }
+        }
+        let (mut stats, path, mut sent) = if len == 0 {
+            let stats = stats_for(&mut state.staleness, &[], (0.0, 1.0, 0.0, 0.0), 0)?;
+            (stats, path, 0)
+        } else {
+            match path {
                 CompressedPath::Dense => self.compressed_dense(grad, op, state)?,
                 CompressedPath::SumClosed => self.compressed_sum_closed(grad, state)?,
                 CompressedPath::PowerIteration => self.compressed_power(grad, state)?,
@@ -158,13 +214,40 @@ impl Communicator {
                 _ => self.compressed_sparse(grad, state)?,
             }
         };
+        sent += clip_sent;
+        if let Some((local, scale)) = pre_clip {
+            stats.grad_norm = local;
+            stats.clip_scale = scale;
+        }
         if op == ReduceOp::Avg && path != CompressedPath::Dense {
             let d = n as f32;
             grad.iter_mut().for_each(|x| *x /= d);
         }
+        if let (Some(max), CompressedPath::Dense) = (global_clip, path) {
+            // The dense path clips the all-reduced gradient itself, exactly.
+            let scale = clip_scale(Some(max), l2_norm(grad));
+            if scale != 1.0 {
+                grad.iter_mut().for_each(|x| *x *= scale);
+            }
+            stats.clip_scale = scale;
+        }
+        let mut output = Output::Gradient;
+        if let Some(a) = adam {
+            if adam_dense {
+                let b = a.beta1;
+                for (m, g) in state.adam_m.iter_mut().zip(grad.iter()) {
+                    *m = b * *m + (1.0 - b) * *g;
+                }
+            } else {
+                state.adam_m.copy_from_slice(grad);
+                output = Output::Momentum;
+            }
+        }
         state.step += 1;
         let dense_sent_bytes = (2 * (n as u64 - 1) * 4 * len as u64) / n as u64;
-        let warnings = stats.warnings(state.config.adaptive_optimizer);
+        // Past the warm-up, Adam-safe compression freezes the second moment that low density miscalibrates.
+        let adaptive = state.config.adaptive_optimizer && output == Output::Gradient;
+        let warnings = stats.warnings(adaptive);
         debug!(
             target: "braid::compress",
             rank = self.rank(),
@@ -195,6 +278,8 @@ impl Communicator {
             sent_bytes: sent,
             dense_sent_bytes,
             warnings,
+            scheduled_density,
+            output,
         })
     }
 
@@ -271,7 +356,7 @@ impl Communicator {
         state: &mut GradientCompressor,
     ) -> Result<(Stats, CompressedPath, u64), Error> {
         let grad_norm = l2_norm(grad);
-        let scale = clip_scale(state.config.clip_norm, grad_norm);
+        let scale = clip_scale(state.config.local_clip(), grad_norm);
         let residual_norm = if scale == 1.0 {
             grad_norm
         } else {
@@ -344,7 +429,7 @@ impl Communicator {
         let (rows, cols, r) = matrix_shape(len, None, rank);
         // The residual, exactly as error feedback forms it: clipped gradient plus decayed error.
         let grad_norm = l2_norm(grad);
-        let scale = clip_scale(state.config.clip_norm, grad_norm);
+        let scale = clip_scale(state.config.local_clip(), grad_norm);
         let decay = state.ef.decay;
         let m = &mut state.ef.error;
         for (e, &g) in m.iter_mut().zip(grad.iter()) {

@@ -582,3 +582,162 @@ pub fn tiny_tensors(c: &Communicator) -> usize {
     }
     checks
 }
+
+/// Momentum correction, density warm-up, global clipping and Adam-safe compression, each against a
+/// reference computed here from every rank's gradients.
+/// `got` and `want` are the same bits; otherwise the first difference is named (not whole vectors).
+fn same(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!(
+            "{what}: element {i} is {} where {} was expected",
+            got[i], want[i]
+        );
+    }
+}
+
+pub fn modes(c: &Communicator) -> usize {
+    let (n, rank) = (c.world_size(), c.rank());
+    let mut checks = 0;
+
+    // Momentum correction: each rank's contribution is its own error feedback with momentum over top-k;
+    // the result is their sum in rank order.
+    let cfg: CompressionConfig = "topk:0.05/momentum=0.9/seed=7/switch=inf".parse().unwrap();
+    let mut st = GradientCompressor::new(cfg, LEN).unwrap();
+    let mut reference = ErrorFeedback::new(LEN).with_momentum(0.9).unwrap();
+    let mut codec = TopK::new(0.05).unwrap();
+    for step in 0..4 {
+        let g = gradient(rank, step, LEN);
+        reference.step(&g, &mut codec, step).unwrap();
+        let mut x = g.clone();
+        let rep = c
+            .all_reduce_compressed(&mut x, ReduceOp::Sum, &mut st)
+            .unwrap();
+        let want = ordered_sum(&gather(c, reference.last_update()));
+        same(&x, &want, &format!("momentum correction, step {step}"));
+        same(
+            st.velocity(),
+            reference.velocity(),
+            &format!("velocity, step {step}"),
+        );
+        assert_eq!(rep.output, braid::Output::Gradient);
+        checks += 1;
+    }
+    assert!(st.velocity().iter().any(|v| *v != 0.0));
+
+    // Density warm-up: the codec's density follows the schedule, then stays at the target.
+    let cfg: CompressionConfig = "topk:0.01/warmup=4:0.4/switch=inf".parse().unwrap();
+    let warmup = cfg.warmup.unwrap();
+    let mut st = GradientCompressor::new(cfg, LEN).unwrap();
+    for step in 0..6 {
+        let mut x = gradient(rank, step, LEN);
+        let rep = c
+            .all_reduce_compressed(&mut x, ReduceOp::Avg, &mut st)
+            .unwrap();
+        let want = warmup.density(0.01, step);
+        assert_eq!(rep.scheduled_density, Some(want), "step {step}");
+        let k = braid::braid_compress::k_for_density(LEN, want);
+        assert_eq!(rep.stats.density, k as f64 / LEN as f64, "step {step}");
+        assert_identical(c, &x, "warm-up");
+        checks += 1;
+    }
+    assert_eq!(
+        GradientCompressor::new("int8".parse().unwrap(), 4).map(|_| ()),
+        Ok(())
+    );
+
+    // Global clipping: the bound from the mean of the local norms, the same factor on every rank.
+    let clip = 1.0f32;
+    let g = gradient(rank, 9, LEN);
+    let norms = gather(c, &[l2_norm(&g) as f32]);
+    let mut local = [l2_norm(&g)];
+    c.all_reduce_in_place(&mut local, ReduceOp::Sum).unwrap();
+    let bound = local[0] / n as f64;
+    let cfg: CompressionConfig = "int8/gclip=1".parse().unwrap();
+    let mut st = GradientCompressor::new(cfg, LEN).unwrap();
+    let mut x = g.clone();
+    let rep = c
+        .all_reduce_compressed(&mut x, ReduceOp::Avg, &mut st)
+        .unwrap();
+    assert_eq!(
+        rep.stats.clip_scale,
+        (clip as f64 / bound) as f32,
+        "{norms:?}"
+    );
+    assert_eq!(rep.stats.grad_norm, l2_norm(&g));
+    assert!(
+        l2_norm(&x) <= clip as f64 * 1.05,
+        "globally clipped average {} exceeds the bound",
+        l2_norm(&x)
+    );
+    assert_identical(c, &x, "global clipping");
+    // The dense path clips the all-reduced gradient itself, exactly.
+    let mut st = GradientCompressor::new("dense/gclip=1".parse().unwrap(), LEN).unwrap();
+    let mut x = g.clone();
+    let rep = c
+        .all_reduce_compressed(&mut x, ReduceOp::Avg, &mut st)
+        .unwrap();
+    let mut avg = g.clone();
+    c.all_reduce_in_place(&mut avg, ReduceOp::Avg).unwrap();
+    let exact = (clip as f64 / l2_norm(&avg)) as f32;
+    assert_eq!(rep.stats.clip_scale, exact.min(1.0));
+    assert!((l2_norm(&x) - (l2_norm(&avg)).min(clip as f64)).abs() < 1e-4);
+    checks += 2;
+
+    // Adam-safe compression: dense warm-up tracking the first moment, then the compressed moment.
+    let cfg: CompressionConfig = "topk:0.1/adam=2/switch=inf".parse().unwrap();
+    let mut st = GradientCompressor::new(cfg, LEN).unwrap();
+    let mut g = gradient(rank, 0, LEN);
+    let before = g.clone();
+    let e = c
+        .all_reduce_compressed(&mut g, ReduceOp::Sum, &mut st)
+        .unwrap_err();
+    assert!(
+        e.is_invalid_argument() && e.to_string().contains("must be avg"),
+        "{e}"
+    );
+    assert!(g == before && st.step() == 0 && c.async_error().is_none());
+    let mut m = vec![0.0f32; LEN];
+    let mut ef = ErrorFeedback::new(LEN);
+    let mut codec = TopK::new(0.1).unwrap();
+    let b = 0.9f32;
+    for step in 0..5 {
+        let g = gradient(rank, step, LEN);
+        let mut x = g.clone();
+        let rep = c
+            .all_reduce_compressed(&mut x, ReduceOp::Avg, &mut st)
+            .unwrap();
+        if step < 2 {
+            let mut avg = g.clone();
+            c.all_reduce_in_place(&mut avg, ReduceOp::Avg).unwrap();
+            same(&x, &avg, &format!("warm-up step {step} is dense"));
+            assert_eq!(
+                (rep.path, rep.output),
+                (CompressedPath::Dense, braid::Output::Gradient)
+            );
+            m.iter_mut()
+                .zip(&avg)
+                .for_each(|(m, g)| *m = b * *m + (1.0 - b) * g);
+        } else {
+            let local: Vec<f32> = m
+                .iter()
+                .zip(&g)
+                .map(|(m, g)| b * m + (1.0 - b) * g)
+                .collect();
+            ef.step(&local, &mut codec, step).unwrap();
+            let d = n as f32;
+            let mut want = ordered_sum(&gather(c, ef.last_update()));
+            want.iter_mut().for_each(|w| *w /= d);
+            same(&x, &want, &format!("compressed step {step}"));
+            assert_eq!(rep.output, braid::Output::Momentum);
+            m.copy_from_slice(&want);
+        }
+        same(
+            st.adam_momentum(),
+            &m,
+            &format!("first moment, step {step}"),
+        );
+        checks += 1;
+    }
+    checks
+}
