@@ -155,9 +155,10 @@ enum Cmd {
         /// data, 6 grades) or spirals (two interleaved spirals).
         #[arg(long, default_value = "teacher")]
         task: String,
-        /// Settings, comma-separated: CODEC[:PARAM][/ef|/noef] with CODEC one of dense, fp16, bf16,
-        /// topk:DENSITY, randomk:DENSITY, int8, int8:nearest, sign, powersgd:RANK (error feedback on
-        /// unless /noef). Default: a list for --quick, a longer one otherwise.
+        /// Settings, comma-separated, in the compression grammar: CODEC[/OPTION]..., e.g. dense, fp16,
+        /// topk:0.1, topk:0.1/noef, topk:0.01/momentum=0.9/warmup=150, topk:0.01/adam=150,
+        /// topk:0.01/gclip=0.5, int8-stochastic, sign, powersgd:4. Default: a list for --quick, a longer
+        /// one otherwise.
         #[arg(long)]
         codecs: Option<String>,
         /// Optimizers, comma-separated: sgd (momentum 0.9), adam.
@@ -172,9 +173,12 @@ enum Cmd {
         /// Global batch size (split over the ranks).
         #[arg(long, default_value_t = 64)]
         batch: usize,
-        /// Seed of initialisation, data and batch order.
+        /// Seed of the data, and the first seed of initialisation, batch order and codecs.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// Seeds per setting and optimizer (seed, seed + 1, ...); default 2 with --quick, else 3.
+        #[arg(long)]
+        seeds: Option<usize>,
         /// Learning rate of SGD.
         #[arg(long, default_value_t = 0.05)]
         lr_sgd: f32,
@@ -206,6 +210,7 @@ fn main() {
             quick,
             batch,
             seed,
+            seeds,
             lr_sgd,
             lr_adam,
             out,
@@ -231,6 +236,9 @@ fn main() {
                 if ranks == Some(0) {
                     return Err("--ranks must be at least 1".into());
                 }
+                if seeds == Some(0) {
+                    return Err("--seeds must be at least 1".into());
+                }
                 Ok(eval::EvalArgs {
                     task,
                     settings,
@@ -239,6 +247,7 @@ fn main() {
                     quick,
                     batch,
                     seed,
+                    seeds: seeds.unwrap_or_else(|| eval::default_seeds(quick)),
                     lr_sgd,
                     lr_adam,
                     out,

@@ -46,24 +46,30 @@ fn quick_evaluation_learns_agrees_and_plots() {
         stdout.contains("setting") && stdout.contains("train loss"),
         "{stdout}"
     );
+    let row = |setting: &str, opt: &str| {
+        stdout
+            .lines()
+            .any(|l| l.split_whitespace().take(2).eq([setting, opt]))
+    };
     for setting in [
         "dense",
-        "topk:0.1/ef",
-        "topk:0.01/ef",
+        "topk:0.1",
+        "topk:0.01",
         "topk:0.01/noef",
-        "topk:0.005/ef",
+        "topk:0.005",
     ] {
         for opt in ["sgd", "adam"] {
-            assert!(
-                stdout
-                    .lines()
-                    .any(|l| l.starts_with(setting) && l.contains(opt)),
-                "no row {setting} {opt}:\n{stdout}"
-            );
+            assert!(row(setting, opt), "no row {setting} {opt}:\n{stdout}");
         }
     }
+    // Momentum correction replaces SGD's momentum; Adam-safe compression needs Adam.
+    let mc = "topk:0.01/momentum=0.9/warmup=60:0.25";
+    let adam = "topk:0.01/adam=60:0.9";
+    assert!(row(mc, "sgd") && !row(mc, "adam"), "{stdout}");
+    assert!(row(adam, "adam") && !row(adam, "sgd"), "{stdout}");
+    assert!(stdout.contains("2 seeds (mean ± sample sd)"), "{stdout}");
     assert!(
-        stdout.contains("parameters bit-identical on all 2 ranks after each of the 10 runs"),
+        stdout.contains("parameters bit-identical on all 2 ranks after each of the 24 runs"),
         "{stdout}"
     );
 
@@ -71,7 +77,35 @@ fn quick_evaluation_learns_agrees_and_plots() {
         serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(report["ranks"], 2);
     let runs = report["runs"].as_array().unwrap();
-    assert_eq!(runs.len(), 10);
+    assert_eq!(runs.len(), 24);
+    let summary = report["summary"].as_array().unwrap();
+    assert_eq!(summary.len(), 12);
+    for s in summary {
+        assert_eq!(s["seeds"], 2, "{s}");
+        let share = s["lagging_share"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&share), "{s}");
+    }
+    // Plain dense updates nearly every parameter; 1% top-k without error feedback leaves most lagging.
+    let lag = |setting: &str| {
+        summary
+            .iter()
+            .find(|s| s["setting"] == setting && s["optimizer"] == "sgd")
+            .unwrap()["lagging_share"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(lag("topk:0.01/noef") > lag("dense") + 0.2, "{summary:?}");
+    // Each seed is compared with its own dense run.
+    let seeds: Vec<u64> = runs
+        .iter()
+        .filter(|r| r["setting"] == "dense" && r["optimizer"] == "sgd")
+        .map(|r| r["seed"].as_u64().unwrap())
+        .collect();
+    assert_eq!(seeds, [1, 2]);
+    for r in runs.iter().filter(|r| r["setting"] == "dense") {
+        assert_eq!(r["loss_vs_dense_pct"].as_f64(), Some(0.0), "{r}");
+        assert_eq!(r["accuracy_vs_dense_pts"].as_f64(), Some(0.0), "{r}");
+    }
     for opt in ["sgd", "adam"] {
         let dense = run_of(runs, "dense", opt);
         let (init, fin) = (
@@ -86,7 +120,7 @@ fn quick_evaluation_learns_agrees_and_plots() {
             dense["test_accuracy"].as_f64().unwrap() > 0.5,
             "{opt}: {dense}"
         );
-        let topk = run_of(runs, "topk:0.1/ef", opt);
+        let topk = run_of(runs, "topk:0.1", opt);
         let rel = topk["loss_vs_dense_pct"].as_f64().unwrap();
         assert!(
             rel < 5.0,
@@ -96,11 +130,11 @@ fn quick_evaluation_learns_agrees_and_plots() {
         assert!(topk["sent_bytes"].as_u64().unwrap() * 3 < dense["sent_bytes"].as_u64().unwrap());
     }
     // Density below 1% with Adam is warned about; with SGD it is not.
-    assert!(!run_of(runs, "topk:0.005/ef", "adam")["warnings"]
+    assert!(!run_of(runs, "topk:0.005", "adam")["warnings"]
         .as_array()
         .unwrap()
         .is_empty());
-    assert!(run_of(runs, "topk:0.005/ef", "sgd")["warnings"]
+    assert!(run_of(runs, "topk:0.005", "sgd")["warnings"]
         .as_array()
         .unwrap()
         .is_empty());
@@ -135,6 +169,8 @@ fn bad_arguments_are_refused_before_any_rank_starts() {
     for (args, needle) in [
         (&["--codecs", "topk:2"][..], "(0, 1]"),
         (&["--codecs", "gzip"][..], "unknown codec"),
+        (&["--codecs", "topk:0.1/frob"][..], "unknown option"),
+        (&["--seeds", "0"][..], "at least 1"),
         (&["--optimizers", "lion"][..], "unknown optimizer"),
         (&["--task", "imagenet"][..], "unknown task"),
         (&["--steps", "0"][..], "at least 1"),
@@ -161,9 +197,11 @@ fn compressed_all_reduce_matches_the_gather_reference() {
             "--ranks",
             "2",
             "--codecs",
-            "topk:0.1,topk:0.01/noef",
+            "topk:0.1,topk:0.01/noef,topk:0.01/momentum=0.9/nomask",
             "--optimizers",
             "sgd",
+            "--seeds",
+            "1",
             "--steps",
             "60",
             "--json",
@@ -193,6 +231,8 @@ fn compressed_all_reduce_matches_the_gather_reference() {
             "all_reduce_compressed {a} vs gather {b}"
         );
     }
-    assert_ne!(losses[0][0], losses[0][1], "the two settings should differ");
+    assert_eq!(losses[0].len(), 3);
+    assert_ne!(losses[0][0], losses[0][1], "the settings should differ");
+    assert_ne!(losses[0][1], losses[0][2], "the settings should differ");
     let _ = std::fs::remove_dir_all(&dir);
 }

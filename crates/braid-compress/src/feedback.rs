@@ -252,6 +252,8 @@ pub struct ErrorFeedback {
     pub clip: Option<f32>,
     /// Momentum factor of momentum correction in `[0, 1)`; 0 turns it off.
     momentum: f32,
+    /// Momentum factor masking: clear the velocity where the update is non-zero.
+    masking: bool,
     /// Momentum correction's velocity (empty when it is off).
     velocity: Vec<f32>,
     update: Vec<f32>,
@@ -266,6 +268,7 @@ impl ErrorFeedback {
             decay: 1.0,
             clip: None,
             momentum: 0.0,
+            masking: true,
             velocity: Vec::new(),
             update: vec![0.0; len],
             staleness: Staleness::new(len),
@@ -280,6 +283,7 @@ impl ErrorFeedback {
             decay: 1.0,
             clip: None,
             momentum: 0.0,
+            masking: true,
             velocity: Vec::new(),
             update: crate::error::zeros(len, "error-feedback update")?,
             staleness: Staleness::try_new(len)?,
@@ -331,6 +335,20 @@ impl ErrorFeedback {
             crate::error::zeros(self.error.len(), "momentum-correction velocity")?
         };
         Ok(self)
+    }
+
+    /// Turns momentum factor masking on (the default, as DGC) or off. Without masking the velocity keeps
+    /// running after a coordinate is sent, so every gradient is eventually applied with its full momentum
+    /// weight `1/(1−m)`, as dense momentum SGD applies it; with masking, a coordinate sent every step gets
+    /// plain SGD's weight 1, which suits only very sparse codecs, where coordinates wait long between sends.
+    pub fn with_masking(mut self, masking: bool) -> Self {
+        self.masking = masking;
+        self
+    }
+
+    /// Whether momentum factor masking is on.
+    pub fn masking(&self) -> bool {
+        self.masking
     }
 
     /// The momentum factor of momentum correction (0 when it is off).
@@ -403,7 +421,7 @@ impl ErrorFeedback {
         for (e, &u) in self.error.iter_mut().zip(&self.update) {
             *e -= u;
         }
-        if m != 0.0 {
+        if m != 0.0 && self.masking {
             // Momentum factor masking: what was applied restarts its momentum.
             for (v, &u) in self.velocity.iter_mut().zip(&self.update) {
                 if u != 0.0 {

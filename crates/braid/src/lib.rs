@@ -36,7 +36,7 @@ pub use braid_core::{Config, DType, DebugLevel, Element, Error, ReduceOp, Result
 pub use braid_topo;
 pub use comm::Communicator;
 pub use compressed::{
-    AdamSafe, ClipScope, CodecSpec, CompressedPath, CompressedReport, CompressionConfig,
+    AdamSafe, AdamSend, ClipScope, CodecSpec, CompressedPath, CompressedReport, CompressionConfig,
     DensityWarmup, GradientCompressor, Output,
 };
 pub use id::UniqueId;

@@ -3,6 +3,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use braid::Output;
+
 /// Which optimizer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum OptKind {
@@ -51,6 +53,8 @@ pub enum Optimizer {
         velocity: Vec<f32>,
     },
     /// `m = β1·m + (1−β1)·g; v = β2·v + (1−β2)·g²; p −= lr·m̂ / (√v̂ + ε)` with bias-corrected `m̂`, `v̂`.
+    /// Given the first moment instead of the gradient (Adam-safe compression, [`Output::Momentum`]), it
+    /// takes `m` as given, keeps `v` (and its bias correction) frozen, and steps `p −= lr·m / (√v̂ + ε)`.
     Adam {
         lr: f32,
         beta1: f32,
@@ -64,10 +68,16 @@ pub enum Optimizer {
 
 impl Optimizer {
     /// SGD with momentum 0.9.
+    #[cfg(test)]
     pub fn sgd(lr: f32, len: usize) -> Self {
+        Self::sgd_with(lr, 0.9, len)
+    }
+
+    /// SGD with the given momentum (0 for plain SGD, as momentum correction needs).
+    pub fn sgd_with(lr: f32, momentum: f32, len: usize) -> Self {
         Optimizer::Sgd {
             lr,
-            momentum: 0.9,
+            momentum,
             velocity: vec![0.0; len],
         }
     }
@@ -85,14 +95,6 @@ impl Optimizer {
         }
     }
 
-    /// A fresh optimizer of `kind`.
-    pub fn new(kind: OptKind, lr: f32, len: usize) -> Self {
-        match kind {
-            OptKind::Sgd => Self::sgd(lr, len),
-            OptKind::Adam => Self::adam(lr, len),
-        }
-    }
-
     /// Sets the learning rate (for a schedule).
     pub fn set_lr(&mut self, rate: f32) {
         match self {
@@ -101,7 +103,14 @@ impl Optimizer {
     }
 
     /// Applies one step of `grad` to `params`.
+    #[cfg(test)]
     pub fn step(&mut self, params: &mut [f32], grad: &[f32]) {
+        self.step_with(params, grad, Output::Gradient);
+    }
+
+    /// Applies one step of what a synchronisation returned: the gradient, or (Adam-safe compression)
+    /// Adam's first moment, which Adam applies with its second moment frozen. SGD treats both alike.
+    pub fn step_with(&mut self, params: &mut [f32], grad: &[f32], output: Output) {
         match self {
             Optimizer::Sgd {
                 lr,
@@ -124,6 +133,17 @@ impl Optimizer {
                 v,
             } => {
                 assert!(params.len() == m.len() && grad.len() == m.len());
+                if output == Output::Momentum {
+                    // The second moment (and its bias correction) stays as the warm-up left it.
+                    let c2 = 1.0 - beta2.powi((*t).max(1));
+                    for (((p, m), v), &g) in
+                        params.iter_mut().zip(m.iter_mut()).zip(v.iter()).zip(grad)
+                    {
+                        *m = g;
+                        *p -= *lr * g / ((*v / c2).sqrt() + *eps);
+                    }
+                    return;
+                }
                 *t += 1;
                 let c1 = 1.0 - beta1.powi(*t);
                 let c2 = 1.0 - beta2.powi(*t);
@@ -205,6 +225,33 @@ mod tests {
         opt.set_lr(0.01);
         opt.step(&mut p, &[1.0]); // v = 1.9, p = -0.1 - 0.019
         assert!(close(p[0], -0.119), "{p:?}");
+    }
+
+    #[test]
+    fn adam_given_the_first_moment_keeps_its_second_moment_frozen() {
+        // One ordinary step (g = 2: m = 0.2, v = 0.004, v̂ = 4), then the moment 0.5 is given:
+        // p −= 0.1 · 0.5 / (√4 + ε), and v stays 0.004 however large the moment.
+        let mut opt = Optimizer::adam(0.1, 1);
+        let mut p = [0.0f32];
+        opt.step(&mut p, &[2.0]);
+        let after_one = p[0] as f64;
+        opt.step_with(&mut p, &[0.5], Output::Momentum);
+        assert!(close(p[0], after_one - 0.025), "{p:?}");
+        opt.step_with(&mut p, &[100.0], Output::Momentum);
+        assert!(close(p[0], after_one - 0.025 - 5.0), "{p:?}");
+        let Optimizer::Adam { v, m, t, .. } = &opt else {
+            unreachable!()
+        };
+        assert!(
+            (v[0] - 0.004).abs() < 1e-6 && m[0] == 100.0 && *t == 1,
+            "{v:?} {m:?} {t}"
+        );
+        // SGD with momentum 0 is plain SGD.
+        let mut sgd = Optimizer::sgd_with(0.1, 0.0, 1);
+        let mut q = [0.0f32];
+        sgd.step(&mut q, &[1.0]);
+        sgd.step(&mut q, &[1.0]);
+        assert!(close(q[0], -0.2), "{q:?}");
     }
 
     /// Half a cosine from the base rate to zero.

@@ -7,11 +7,12 @@ use std::str::FromStr;
 use braid_compress::echo_input;
 use braid_core::Error;
 
-use super::{AdamSafe, ClipScope, CompressionConfig, DensityWarmup};
+use super::{AdamSafe, AdamSend, ClipScope, CompressionConfig, DensityWarmup};
 
 /// The options the grammar accepts, for error messages.
-const OPTIONS: &str = "ef, noef, decay=X, clip=X, gclip=X, momentum=M, warmup=STEPS[:START], \
-                       adam=STEPS[:BETA1], switch=X, seed=N, adaptive";
+const OPTIONS: &str =
+    "ef, noef, decay=X, clip=X, gclip=X, momentum=M, nomask, warmup=STEPS[:START], \
+                       adam=STEPS[:BETA1], adamsend=moment|gradient, switch=X, seed=N, adaptive";
 
 /// Density a warm-up starts from when the text gives none (Deep Gradient Compression's 25%).
 pub const DEFAULT_WARMUP_START: f32 = 0.25;
@@ -26,8 +27,10 @@ pub const DEFAULT_WARMUP_START: f32 = 0.25;
 /// | `clip=X` | clip each rank's gradient to L2 norm `X` before compressing ([`ClipScope::Local`]) |
 /// | `gclip=X` | clip to `X` by the all-reduced gradient's norm ([`ClipScope::Global`]) |
 /// | `momentum=M` | momentum correction with factor `M` in `[0, 1)`; the optimizer runs plain SGD |
+/// | `nomask` | momentum correction without momentum factor masking |
 /// | `warmup=STEPS[:START]` | density warm-up from `START` (0.25) over `STEPS` steps |
 /// | `adam=STEPS[:BETA1]` | Adam-safe compression after `STEPS` dense steps, β1 0.9 unless given |
+/// | `adamsend=moment\|gradient` | what Adam-safe compression compresses ([`AdamSend`]; default by codec) |
 /// | `switch=X` | top-k's dense switch, a number ≥ 0 |
 /// | `seed=N` | the codecs' seed |
 /// | `adaptive` | the optimizer is adaptive: warn below 1% density |
@@ -51,6 +54,8 @@ impl FromStr for CompressionConfig {
             ))
         };
         let mut seen: Vec<String> = Vec::new();
+        // `adamsend` without `adam=STEPS` is an error once every option is read.
+        let mut pending_send = false;
         for part in parts {
             let part = part.trim().to_ascii_lowercase();
             let (key, value) = match part.split_once('=') {
@@ -121,6 +126,7 @@ impl FromStr for CompressionConfig {
                     };
                 }
                 "momentum" => c.momentum = Some(num("momentum")? as f32),
+                "nomask" => c.momentum_masking = !flag(true)?,
                 "warmup" => {
                     let (steps, start) = steps_and("warmup")?;
                     let start = start.map_or(DEFAULT_WARMUP_START, |x| x as f32);
@@ -129,10 +135,30 @@ impl FromStr for CompressionConfig {
                 }
                 "adam" => {
                     let (warmup_steps, beta1) = steps_and("adam")?;
+                    let send = c.adam.map_or(AdamSend::Auto, |a| a.send);
                     c.adam = Some(AdamSafe {
                         warmup_steps,
                         beta1: beta1.map_or(AdamSafe::default().beta1, |b| b as f32),
+                        send,
                     });
+                }
+                "adamsend" => {
+                    let send = match value.as_deref() {
+                        Some("moment") => AdamSend::Moment,
+                        Some("gradient") => AdamSend::Gradient,
+                        other => {
+                            return Err(bad(format!(
+                                "adamsend takes moment or gradient, got {}",
+                                echo_input(other.unwrap_or(""))
+                            )))
+                        }
+                    };
+                    // Order-free: the warm-up may come before or after.
+                    c.adam = Some(AdamSafe {
+                        send,
+                        ..c.adam.unwrap_or_default()
+                    });
+                    pending_send = true;
                 }
                 "switch" => c.dense_switch = num("switch")?,
                 "seed" => {
@@ -151,6 +177,9 @@ impl FromStr for CompressionConfig {
                 }
                 other => return Err(bad(format!("unknown option {}", echo_input(other)))),
             }
+        }
+        if pending_send && !seen.iter().any(|k| k == "adam") {
+            return Err(bad("adamsend needs adam=STEPS".into()));
         }
         c.validate().map_err(|e| bad(super::message(e))).map(|()| c)
     }
@@ -178,11 +207,19 @@ impl fmt::Display for CompressionConfig {
         if let Some(m) = self.momentum {
             write!(f, "/momentum={m}")?;
         }
+        if !self.momentum_masking {
+            write!(f, "/nomask")?;
+        }
         if let Some(w) = self.warmup {
             write!(f, "/warmup={}:{}", w.steps, w.start)?;
         }
         if let Some(a) = self.adam {
             write!(f, "/adam={}:{}", a.warmup_steps, a.beta1)?;
+            match a.send {
+                AdamSend::Auto => {}
+                AdamSend::Moment => write!(f, "/adamsend=moment")?,
+                AdamSend::Gradient => write!(f, "/adamsend=gradient")?,
+            }
         }
         if self.dense_switch != d.dense_switch {
             write!(f, "/switch={}", self.dense_switch)?;
@@ -229,12 +266,15 @@ mod tests {
         let back = parse(&text).unwrap();
         assert_eq!(format!("{back:?}"), format!("{c:?}"));
 
-        let a = parse("int8/adam=50:0.8/noef/clip=2/switch=0.3/adaptive/decay=0.5").unwrap();
+        let a =
+            parse("int8/adamsend=gradient/adam=50:0.8/noef/clip=2/switch=0.3/adaptive/decay=0.5")
+                .unwrap();
         assert_eq!(
             a.adam,
             Some(AdamSafe {
                 warmup_steps: 50,
-                beta1: 0.8
+                beta1: 0.8,
+                send: AdamSend::Gradient,
             })
         );
         assert!(!a.error_feedback && a.adaptive_optimizer);
@@ -263,6 +303,8 @@ mod tests {
             ("topk/warmup=ten", "step count \"ten\""),
             ("topk/adam=10:1.5", "beta1"),
             ("topk/adam=10/momentum=0.9", "choose one"),
+            ("topk/adamsend=gradient", "needs adam=STEPS"),
+            ("topk/adam=5/adamsend=sideways", "moment or gradient"),
             ("topk//noef", "empty option"),
             ("topk/noef=1", "takes no value"),
             ("topk/seed=-1", "seed=\"-1\""),

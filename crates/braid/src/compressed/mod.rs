@@ -81,6 +81,9 @@ pub struct CompressionConfig {
     /// momentum off**, or the momentum counts twice. Needs a codec that compresses locally (not dense,
     /// not PowerSGD). `None`: off.
     pub momentum: Option<f32>,
+    /// Momentum correction's momentum factor masking (default on, as DGC): see
+    /// [`ErrorFeedback::with_masking`](braid_compress::ErrorFeedback::with_masking).
+    pub momentum_masking: bool,
     /// Density warm-up (top-k, threshold top-k, random-k): the density falls exponentially from the
     /// warm-up's start to the codec's density over its first steps. `None`: the codec's density throughout.
     pub warmup: Option<DensityWarmup>,
@@ -109,6 +112,7 @@ impl Default for CompressionConfig {
             clip_norm: None,
             clip_scope: ClipScope::Local,
             momentum: None,
+            momentum_masking: true,
             warmup: None,
             adam: None,
             dense_switch: 0.5,
@@ -223,7 +227,8 @@ impl CompressionConfig {
             }
             if matches!(codec, CodecSpec::Dense | CodecSpec::PowerSgd { .. }) {
                 return Err(Error::invalid(format!(
-                    "momentum correction needs a codec that compresses each rank's residual (top-k,                      random-k, int8, sign, fp16, bf16), not {codec}"
+                    "momentum correction needs a codec that compresses each rank's residual (top-k, \
+                     random-k, int8, sign, fp16, bf16), not {codec}"
                 )));
             }
             if self.adam.is_some() {
@@ -233,11 +238,19 @@ impl CompressionConfig {
                 ));
             }
         }
+        if !self.momentum_masking && self.momentum.is_none() {
+            return Err(Error::invalid(
+                "nomask turns off momentum correction's masking, but momentum correction is off \
+                 (add momentum=M)"
+                    .to_string(),
+            ));
+        }
         if let Some(w) = self.warmup {
             DensityWarmup::new(w.start, w.steps).map_err(|e| Error::invalid(e.to_string()))?;
             if codec.density().is_none() {
                 return Err(Error::invalid(format!(
-                    "density warm-up needs a codec with a density (top-k, threshold top-k, random-k), not                      {codec}"
+                    "density warm-up needs a codec with a density (top-k, threshold top-k, random-k), not \
+                     {codec}"
                 )));
             }
         }
@@ -271,26 +284,32 @@ pub enum ClipScope {
 }
 
 /// Adam-safe compression, after 1-bit Adam (Tang et al. 2021): Adam's second moment is what compression
-/// miscalibrates, and after a short warm-up it changes slowly, so it is frozen and only the first moment
-/// is communicated — compressed, with error feedback.
+/// miscalibrates, and after a short warm-up it changes slowly, so it is frozen; with `v` frozen, Adam's
+/// step is linear in the gradients, so error feedback compensates what compression drops exactly as it
+/// does for SGD.
 ///
 /// * Steps `0 .. warmup_steps`: the gradient is all-reduced **dense**; the caller runs ordinary Adam.
 ///   The compressor tracks the first moment `m ← β1·m + (1−β1)·ḡ` of the averaged gradient `ḡ`, exactly
 ///   as the caller's Adam does.
-/// * From step `warmup_steps` on: each rank forms `β1·m + (1−β1)·g` from its own gradient, that is
-///   compressed (with error feedback) and averaged, and the average becomes `m` on every rank. The call
-///   returns `m` in the gradient buffer and [`Output::Momentum`] in its report; the caller **freezes its
-///   second moment `v` at its value after the warm-up** and steps `x ← x − lr·m / (√v + ε)` (no bias
-///   correction of `m` past the warm-up: `m` is no longer biased towards 0).
+/// * From step `warmup_steps` on, what is compressed (with error feedback) depends on [`AdamSend`]:
+///   each rank's first moment `β1·m + (1−β1)·g`, whose average becomes `m` (1-bit Adam; best for dense
+///   codecs such as sign and int8), or each rank's gradient, whose compressed average `ĝ` updates
+///   `m ← β1·m + (1−β1)·ĝ` (best for top-k, where a sparse moment would lose every unsent coordinate's
+///   momentum). Either way `m` is the same on every rank, and the call returns it in the gradient buffer
+///   with [`Output::Momentum`] in its report; the caller **freezes its second moment `v` at its value
+///   after the warm-up** and steps `x ← x − lr·m / (√v̂ + ε)` (`v̂` with the bias correction of the last
+///   warm-up step; `m` needs none past the warm-up).
 ///
 /// The op must be [`ReduceOp::Avg`](crate::ReduceOp::Avg).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamSafe {
-    /// Dense steps before the first moment is compressed (1-bit Adam uses 15–25% of training; a few
-    /// hundred steps is typical).
+    /// Dense steps before compression starts (1-bit Adam uses 15–25% of training; a few hundred steps is
+    /// typical).
     pub warmup_steps: u64,
     /// Adam's β1, the same as the caller's optimizer (0.9).
     pub beta1: f32,
+    /// What travels compressed after the warm-up.
+    pub send: AdamSend,
 }
 
 impl Default for AdamSafe {
@@ -298,6 +317,32 @@ impl Default for AdamSafe {
         AdamSafe {
             warmup_steps: 100,
             beta1: 0.9,
+            send: AdamSend::Auto,
+        }
+    }
+}
+
+/// What Adam-safe compression compresses after its warm-up.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AdamSend {
+    /// [`Gradient`](Self::Gradient) for top-k and threshold top-k, [`Moment`](Self::Moment) otherwise.
+    #[default]
+    Auto,
+    /// Each rank's first moment (1-bit Adam).
+    Moment,
+    /// Each rank's gradient; the first moment is formed from the compressed average.
+    Gradient,
+}
+
+impl AdamSend {
+    /// What `Auto` means for `codec`.
+    pub fn resolve(self, codec: CodecSpec) -> AdamSend {
+        match (self, codec) {
+            (AdamSend::Auto, CodecSpec::TopK { .. } | CodecSpec::ThresholdTopK { .. }) => {
+                AdamSend::Gradient
+            }
+            (AdamSend::Auto, _) => AdamSend::Moment,
+            (explicit, _) => explicit,
         }
     }
 }
@@ -434,7 +479,10 @@ impl GradientCompressor {
         let ef_clip = config.local_clip().filter(|_| config.adam.is_none());
         let mut ef = Self::error_feedback(&config, len, ef_clip)?;
         if let Some(m) = config.momentum {
-            ef = ef.with_momentum(m).map_err(codec_error)?;
+            ef = ef
+                .with_momentum(m)
+                .map_err(codec_error)?
+                .with_masking(config.momentum_masking);
         }
         Ok(GradientCompressor {
             len,

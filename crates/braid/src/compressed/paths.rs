@@ -13,7 +13,7 @@ use braid_sched::partition;
 use tracing::{debug, warn};
 
 use super::{
-    codec_error, shard_seed, ClipScope, CodecSpec, CompressedPath, CompressedReport,
+    codec_error, shard_seed, AdamSend, ClipScope, CodecSpec, CompressedPath, CompressedReport,
     GradientCompressor, Output, PathOf, HEADER,
 };
 use crate::{Collective, Communicator};
@@ -191,11 +191,12 @@ impl Communicator {
                 grad.iter_mut().for_each(|x| *x *= scale);
             }
         }
+        let send_moment = adam.is_some_and(|a| a.send.resolve(spec) == AdamSend::Moment);
         if let Some(a) = adam {
             if state.adam_m.len() != len {
                 state.adam_m = braid_core::alloc::filled(0.0f32, len, "Adam-safe first moment")?;
             }
-            if !adam_dense {
+            if !adam_dense && send_moment {
                 let b = a.beta1;
                 for (g, m) in grad.iter_mut().zip(&state.adam_m) {
                     *g = b * *m + (1.0 - b) * *g;
@@ -233,13 +234,16 @@ impl Communicator {
         }
         let mut output = Output::Gradient;
         if let Some(a) = adam {
-            if adam_dense {
+            if adam_dense || !send_moment {
                 let b = a.beta1;
                 for (m, g) in state.adam_m.iter_mut().zip(grad.iter()) {
                     *m = b * *m + (1.0 - b) * *g;
                 }
             } else {
                 state.adam_m.copy_from_slice(grad);
+            }
+            if !adam_dense {
+                grad.copy_from_slice(&state.adam_m);
                 output = Output::Momentum;
             }
         }

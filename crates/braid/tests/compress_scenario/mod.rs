@@ -684,60 +684,75 @@ pub fn modes(c: &Communicator) -> usize {
     assert!((l2_norm(&x) - (l2_norm(&avg)).min(clip as f64)).abs() < 1e-4);
     checks += 2;
 
-    // Adam-safe compression: dense warm-up tracking the first moment, then the compressed moment.
-    let cfg: CompressionConfig = "topk:0.1/adam=2/switch=inf".parse().unwrap();
-    let mut st = GradientCompressor::new(cfg, LEN).unwrap();
-    let mut g = gradient(rank, 0, LEN);
-    let before = g.clone();
-    let e = c
-        .all_reduce_compressed(&mut g, ReduceOp::Sum, &mut st)
-        .unwrap_err();
-    assert!(
-        e.is_invalid_argument() && e.to_string().contains("must be avg"),
-        "{e}"
-    );
-    assert!(g == before && st.step() == 0 && c.async_error().is_none());
-    let mut m = vec![0.0f32; LEN];
-    let mut ef = ErrorFeedback::new(LEN);
-    let mut codec = TopK::new(0.1).unwrap();
-    let b = 0.9f32;
-    for step in 0..5 {
-        let g = gradient(rank, step, LEN);
-        let mut x = g.clone();
-        let rep = c
-            .all_reduce_compressed(&mut x, ReduceOp::Avg, &mut st)
-            .unwrap();
-        if step < 2 {
-            let mut avg = g.clone();
-            c.all_reduce_in_place(&mut avg, ReduceOp::Avg).unwrap();
-            same(&x, &avg, &format!("warm-up step {step} is dense"));
-            assert_eq!(
-                (rep.path, rep.output),
-                (CompressedPath::Dense, braid::Output::Gradient)
-            );
-            m.iter_mut()
-                .zip(&avg)
-                .for_each(|(m, g)| *m = b * *m + (1.0 - b) * g);
-        } else {
-            let local: Vec<f32> = m
-                .iter()
-                .zip(&g)
-                .map(|(m, g)| b * m + (1.0 - b) * g)
-                .collect();
-            ef.step(&local, &mut codec, step).unwrap();
-            let d = n as f32;
-            let mut want = ordered_sum(&gather(c, ef.last_update()));
-            want.iter_mut().for_each(|w| *w /= d);
-            same(&x, &want, &format!("compressed step {step}"));
-            assert_eq!(rep.output, braid::Output::Momentum);
-            m.copy_from_slice(&want);
-        }
-        same(
-            st.adam_momentum(),
-            &m,
-            &format!("first moment, step {step}"),
+    // Adam-safe compression: dense warm-up tracking the first moment, then the compressed moment
+    // (1-bit Adam) or the compressed gradient feeding the moment (the default for top-k).
+    for (text, send_moment) in [
+        ("topk:0.1/adam=2/switch=inf/adamsend=moment", true),
+        ("topk:0.1/adam=2/switch=inf", false),
+    ] {
+        let cfg: CompressionConfig = text.parse().unwrap();
+        let mut st = GradientCompressor::new(cfg, LEN).unwrap();
+        let mut g = gradient(rank, 0, LEN);
+        let before = g.clone();
+        let e = c
+            .all_reduce_compressed(&mut g, ReduceOp::Sum, &mut st)
+            .unwrap_err();
+        assert!(
+            e.is_invalid_argument() && e.to_string().contains("must be avg"),
+            "{e}"
         );
-        checks += 1;
+        assert!(g == before && st.step() == 0 && c.async_error().is_none());
+        let mut m = vec![0.0f32; LEN];
+        let mut ef = ErrorFeedback::new(LEN);
+        let mut codec = TopK::new(0.1).unwrap();
+        let b = 0.9f32;
+        let d = n as f32;
+        for step in 0..5 {
+            let g = gradient(rank, step, LEN);
+            let mut x = g.clone();
+            let rep = c
+                .all_reduce_compressed(&mut x, ReduceOp::Avg, &mut st)
+                .unwrap();
+            if step < 2 {
+                let mut avg = g.clone();
+                c.all_reduce_in_place(&mut avg, ReduceOp::Avg).unwrap();
+                same(&x, &avg, &format!("{text}: warm-up step {step} is dense"));
+                assert_eq!(
+                    (rep.path, rep.output),
+                    (CompressedPath::Dense, braid::Output::Gradient)
+                );
+                m.iter_mut()
+                    .zip(&avg)
+                    .for_each(|(m, g)| *m = b * *m + (1.0 - b) * g);
+            } else {
+                let local: Vec<f32> = if send_moment {
+                    m.iter()
+                        .zip(&g)
+                        .map(|(m, g)| b * m + (1.0 - b) * g)
+                        .collect()
+                } else {
+                    g.clone()
+                };
+                ef.step(&local, &mut codec, step).unwrap();
+                let mut avg = ordered_sum(&gather(c, ef.last_update()));
+                avg.iter_mut().for_each(|w| *w /= d);
+                if send_moment {
+                    m.copy_from_slice(&avg);
+                } else {
+                    m.iter_mut()
+                        .zip(&avg)
+                        .for_each(|(m, g)| *m = b * *m + (1.0 - b) * g);
+                }
+                same(&x, &m, &format!("{text}: compressed step {step}"));
+                assert_eq!(rep.output, braid::Output::Momentum);
+            }
+            same(
+                st.adam_momentum(),
+                &m,
+                &format!("{text}: first moment, step {step}"),
+            );
+            checks += 1;
+        }
     }
     checks
 }
