@@ -1,11 +1,13 @@
 //! The evaluation tasks: a teacher network's labels on Gaussian inputs, the red wine quality data set
-//! (UCI, 1599 wines, shipped by the `linfa-datasets` crate), and two interleaved spirals. Each is split
-//! into a training and a test set.
+//! (UCI, 1599 wines, shipped by the `linfa-datasets` crate), two interleaved spirals, and small noisy
+//! images of eight shapes for a convolutional network. Each is split into a training and a test set.
 
 use std::fmt;
 use std::str::FromStr;
 
+use super::cnn::Cnn;
 use super::mlp::{argmax, Mlp, Workspace};
+use super::model::Net;
 use super::rng::Rng;
 
 /// Which task to train on.
@@ -18,6 +20,10 @@ pub enum Task {
     Wine,
     /// Two interleaved noisy spirals in the plane; 2 classes.
     Spirals,
+    /// 12 × 12 grey images of eight shapes (bars, diagonals, a plus, a cross, a box, a blob) of random
+    /// size, position and brightness, in Gaussian noise with a distracting stroke; trained with a small
+    /// CNN.
+    Shapes,
 }
 
 impl FromStr for Task {
@@ -27,8 +33,9 @@ impl FromStr for Task {
             "teacher" => Ok(Task::Teacher),
             "wine" => Ok(Task::Wine),
             "spirals" => Ok(Task::Spirals),
+            "shapes" => Ok(Task::Shapes),
             other => Err(format!(
-                "unknown task {other:?} (expected teacher, wine or spirals)"
+                "unknown task {other:?} (expected teacher, wine, spirals or shapes)"
             )),
         }
     }
@@ -40,6 +47,7 @@ impl fmt::Display for Task {
             Task::Teacher => "teacher",
             Task::Wine => "wine",
             Task::Spirals => "spirals",
+            Task::Shapes => "shapes",
         })
     }
 }
@@ -86,18 +94,117 @@ impl Task {
             Task::Teacher => Ok(teacher(seed, if quick { 16384 } else { 32768 }, 4096)),
             Task::Spirals => Ok(spirals(seed, if quick { 1024 } else { 4096 }, 1024)),
             Task::Wine => wine(seed),
+            Task::Shapes => Ok(shapes(seed, if quick { 4096 } else { 16384 }, 2048)),
         }
     }
 
-    /// Hidden layer widths of the student network for this task.
-    pub fn hidden(self, quick: bool) -> Vec<usize> {
+    /// The network trained on this task's `data`.
+    pub fn net(self, quick: bool, data: &Dataset) -> Result<Net, String> {
+        let mlp = |hidden: &[usize]| -> Result<Net, String> {
+            let mut sizes = vec![data.dim];
+            sizes.extend_from_slice(hidden);
+            sizes.push(data.classes);
+            Ok(Net::Mlp(Mlp::new(&sizes)?))
+        };
         match (self, quick) {
-            (Task::Teacher, true) => vec![64],
-            (Task::Teacher, false) => vec![128, 64],
-            (Task::Wine, _) => vec![64],
-            (Task::Spirals, _) => vec![64, 64],
+            (Task::Teacher, true) => mlp(&[64]),
+            (Task::Teacher, false) => mlp(&[128, 64]),
+            (Task::Wine, _) => mlp(&[64]),
+            (Task::Spirals, _) => mlp(&[64, 64]),
+            (Task::Shapes, true) => Ok(Net::Cnn(Cnn::new(SHAPE_SIDE, 4, 8, 16, data.classes)?)),
+            (Task::Shapes, false) => Ok(Net::Cnn(Cnn::new(SHAPE_SIDE, 8, 16, 32, data.classes)?)),
         }
     }
+}
+
+/// Side of the shape images.
+const SHAPE_SIDE: usize = 12;
+
+/// One 12 × 12 image of shape `class` (see [`Task::Shapes`]) into `img`.
+fn draw_shape(class: usize, rng: &mut Rng, img: &mut [f32]) {
+    let s = SHAPE_SIDE as i64;
+    let size = 3 + rng.below(5) as i64; // 3..=7 pixels across
+    let x0 = rng.below((s - size) as usize + 1) as i64;
+    let y0 = rng.below((s - size) as usize + 1) as i64;
+    let ink = (0.7 + 0.6 * rng.uniform()) as f32;
+    let mut put = |x: i64, y: i64, v: f32| {
+        if (0..s).contains(&x) && (0..s).contains(&y) {
+            img[(y * s + x) as usize] += v;
+        }
+    };
+    let mid = size / 2;
+    for t in 0..size {
+        match class {
+            0 => put(x0 + t, y0 + mid, ink),
+            1 => put(x0 + mid, y0 + t, ink),
+            2 => put(x0 + t, y0 + t, ink),
+            3 => put(x0 + size - 1 - t, y0 + t, ink),
+            4 => {
+                put(x0 + t, y0 + mid, ink);
+                if t != mid {
+                    put(x0 + mid, y0 + t, ink);
+                }
+            }
+            5 => {
+                put(x0 + t, y0 + t, ink);
+                if size - 1 - t != t {
+                    put(x0 + size - 1 - t, y0 + t, ink);
+                }
+            }
+            6 => {
+                put(x0 + t, y0, ink);
+                put(x0 + t, y0 + size - 1, ink);
+                if t > 0 && t < size - 1 {
+                    put(x0, y0 + t, ink);
+                    put(x0 + size - 1, y0 + t, ink);
+                }
+            }
+            _ => {
+                for u in 0..size {
+                    let (dx, dy) = (2 * t - (size - 1), 2 * u - (size - 1));
+                    if dx * dx + dy * dy <= (size - 1) * (size - 1) {
+                        put(x0 + t, y0 + u, ink);
+                    }
+                }
+            }
+        }
+    }
+    // A distracting two-pixel stroke anywhere, then noise.
+    let (sx, sy) = (rng.below(SHAPE_SIDE) as i64, rng.below(SHAPE_SIDE) as i64);
+    let horizontal = rng.below(2) == 0;
+    put(sx, sy, 0.8);
+    if horizontal {
+        put(sx + 1, sy, 0.8);
+    } else {
+        put(sx, sy + 1, 0.8);
+    }
+    for v in img.iter_mut() {
+        *v += (0.35 * rng.normal()) as f32;
+    }
+}
+
+/// `train + test` shape images with balanced classes in random order.
+fn shapes(seed: u64, train: usize, test: usize) -> Dataset {
+    let (dim, classes) = (SHAPE_SIDE * SHAPE_SIDE, 8);
+    let mut rng = Rng::new(seed, 0x5a9e);
+    let n = train + test;
+    let mut xs = vec![0f32; n * dim];
+    let mut ys = Vec::with_capacity(n);
+    for i in 0..n {
+        let class = i % classes;
+        draw_shape(class, &mut rng, &mut xs[i * dim..(i + 1) * dim]);
+        ys.push(class as u32);
+    }
+    // Shuffle rows so that the test split is balanced and batches mix classes.
+    let mut order: Vec<usize> = (0..n).collect();
+    rng.shuffle(&mut order);
+    let mut sx = Vec::with_capacity(xs.len());
+    let mut sy = Vec::with_capacity(n);
+    for &i in &order {
+        sx.extend_from_slice(&xs[i * dim..(i + 1) * dim]);
+        sy.push(ys[i]);
+    }
+    split(dim, classes, sx, sy, test)
 }
 
 fn split(dim: usize, classes: usize, xs: Vec<f32>, ys: Vec<u32>, test: usize) -> Dataset {
@@ -245,7 +352,7 @@ mod tests {
 
     #[test]
     fn tasks_are_deterministic_and_use_several_classes() {
-        for task in [Task::Teacher, Task::Wine, Task::Spirals] {
+        for task in [Task::Teacher, Task::Wine, Task::Spirals, Task::Shapes] {
             let a = task.load(4, true).unwrap();
             let b = task.load(4, true).unwrap();
             assert_eq!(a.train_x, b.train_x);

@@ -51,6 +51,11 @@ impl Mlp {
         self.params
     }
 
+    /// Layer widths, input first.
+    pub fn sizes(&self) -> &[usize] {
+        &self.sizes
+    }
+
     /// Input width.
     pub fn inputs(&self) -> usize {
         self.sizes[0]
@@ -103,20 +108,6 @@ impl Mlp {
         ws.acts.last().expect("layers").clone()
     }
 
-    /// Softmax cross-entropy of `logits` against class `y` (computed stably in f64), and the
-    /// probabilities in `probs`.
-    fn cross_entropy(logits: &[f32], y: usize, probs: &mut Vec<f32>) -> f64 {
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let sum: f64 = logits.iter().map(|&z| (z as f64 - max).exp()).sum();
-        probs.clear();
-        probs.extend(
-            logits
-                .iter()
-                .map(|&z| ((z as f64 - max).exp() / sum) as f32),
-        );
-        sum.ln() + max - logits[y] as f64
-    }
-
     /// Adds `scale ·` the gradient of the summed loss over the samples (`xs`: `ys.len()` rows of
     /// [`inputs`](Self::inputs) values) to `grad`, and returns the summed loss.
     pub fn loss_and_grad(
@@ -136,7 +127,7 @@ impl Mlp {
         for (i, &y) in ys.iter().enumerate() {
             self.forward(params, &xs[i * d..(i + 1) * d], ws);
             let mut delta = std::mem::take(&mut ws.delta);
-            total += Self::cross_entropy(&ws.acts[layers], y as usize, &mut delta);
+            total += cross_entropy(&ws.acts[layers], y as usize, &mut delta);
             // dL/dlogits = softmax − onehot.
             delta[y as usize] -= 1.0;
             for l in (0..layers).rev() {
@@ -193,13 +184,27 @@ impl Mlp {
         for (i, &y) in ys.iter().enumerate() {
             self.forward(params, &xs[i * d..(i + 1) * d], ws);
             let logits = &ws.acts[layers];
-            loss += Self::cross_entropy(logits, y as usize, &mut probs);
+            loss += cross_entropy(logits, y as usize, &mut probs);
             if argmax(logits) == y as usize {
                 correct += 1;
             }
         }
         (loss, correct)
     }
+}
+
+/// Softmax cross-entropy of `logits` against class `y` (computed stably in f64), and the probabilities
+/// in `probs`.
+pub fn cross_entropy(logits: &[f32], y: usize, probs: &mut Vec<f32>) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&z| (z as f64 - max).exp()).sum();
+    probs.clear();
+    probs.extend(
+        logits
+            .iter()
+            .map(|&z| ((z as f64 - max).exp() / sum) as f32),
+    );
+    sum.ln() + max - logits[y] as f64
 }
 
 /// Index of the largest value (the first one on ties).

@@ -14,8 +14,10 @@
 //! whose synchronised gradient stayed zero for at least [`LAGGING_STEPS`] steps in a row (the seed's
 //! lagging parameters).
 
+mod cnn;
 mod data;
 mod mlp;
+mod model;
 mod optim;
 mod plot;
 mod rng;
@@ -28,7 +30,7 @@ use braid::{Communicator, ReduceOp};
 use serde::Serialize;
 
 pub use data::Task;
-use mlp::{Mlp, Workspace};
+use model::{Net, Workspace};
 pub use optim::OptKind;
 use optim::Optimizer;
 pub use sync::Setting;
@@ -290,7 +292,7 @@ fn fnv(params: &[f32]) -> u64 {
 /// set, all-reduced: (mean train loss, test accuracy).
 fn evaluate(
     comm: &Communicator,
-    net: &Mlp,
+    net: &Net,
     data: &data::Dataset,
     params: &[f32],
     ws: &mut Workspace,
@@ -324,7 +326,7 @@ fn evaluate(
 fn train(
     comm: &Communicator,
     args: &EvalArgs,
-    net: &Mlp,
+    net: &Net,
     data: &data::Dataset,
     setting: &Setting,
     opt: OptKind,
@@ -332,7 +334,7 @@ fn train(
 ) -> Result<RunResult, String> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let len = net.num_params();
-    let mut params = net.init(seed, 1.0);
+    let mut params = net.init(seed);
     let lr = match opt {
         OptKind::Sgd => args.lr_sgd,
         OptKind::Adam => args.lr_adam,
@@ -456,21 +458,17 @@ pub fn run(comm: &Communicator, args: &EvalArgs) -> Result<Report, String> {
             comm.world_size()
         ));
     }
-    let mut sizes = vec![data.dim];
-    sizes.extend(args.task.hidden(args.quick));
-    sizes.push(data.classes);
-    let net = Mlp::new(&sizes)?;
+    let net = args.task.net(args.quick, &data)?;
     if args.seeds == 0 {
         return Err("--seeds must be at least 1".into());
     }
     let lead = comm.rank() == 0;
     if lead {
         eprintln!(
-            "compress-eval: task {}, {} ranks, MLP {:?} ({} parameters), {} steps of global batch {}, \
+            "compress-eval: task {}, {} ranks, {net} ({} parameters), {} steps of global batch {}, \
              {} seeds, {} train / {} test samples",
             args.task,
             comm.world_size(),
-            sizes,
             net.num_params(),
             args.steps,
             args.batch,
