@@ -7,7 +7,7 @@
 //! structure of real vision models (a few heavy conv filters, many small head weights), which is what
 //! compression sees in practice.
 
-use super::mlp::{argmax, cross_entropy};
+use super::mlp::{cross_entropy, score};
 use super::rng::Rng;
 
 /// Shapes of the network and where each layer's parameters sit.
@@ -45,6 +45,24 @@ pub struct Workspace {
     da1: Vec<f32>,
 }
 
+/// Calls `f(k, at)` for each tap `k = 3·dy + dx` of the 3×3 window centred on `(y, x)` that falls
+/// inside a `side × side` plane, `at` being the input pixel it reads.
+fn window(side: usize, y: usize, x: usize, mut f: impl FnMut(usize, usize)) {
+    for dy in 0..3 {
+        let sy = y + dy;
+        if sy == 0 || sy > side {
+            continue;
+        }
+        for dx in 0..3 {
+            let sx = x + dx;
+            if sx == 0 || sx > side {
+                continue;
+            }
+            f(dy * 3 + dx, (sy - 1) * side + sx - 1);
+        }
+    }
+}
+
 /// `out[co][y][x] = b[co] + Σ_ci Σ_dy Σ_dx w[co][ci][dy][dx] · in[ci][y+dy−1][x+dx−1]` (zero outside).
 fn conv_forward(input: &[f32], cin: usize, side: usize, w: &[f32], b: &[f32], out: &mut Vec<f32>) {
     let cout = b.len();
@@ -59,19 +77,7 @@ fn conv_forward(input: &[f32], cin: usize, side: usize, w: &[f32], b: &[f32], ou
             for y in 0..side {
                 for x in 0..side {
                     let mut s = 0.0;
-                    for dy in 0..3 {
-                        let sy = y + dy;
-                        if sy == 0 || sy > side {
-                            continue;
-                        }
-                        for dx in 0..3 {
-                            let sx = x + dx;
-                            if sx == 0 || sx > side {
-                                continue;
-                            }
-                            s += k[dy * 3 + dx] * src[(sy - 1) * side + sx - 1];
-                        }
-                    }
+                    window(side, y, x, |t, at| s += k[t] * src[at]);
                     plane[y * side + x] += s;
                 }
             }
@@ -110,23 +116,12 @@ fn conv_backward(
                     if gv == 0.0 {
                         continue;
                     }
-                    for dy in 0..3 {
-                        let sy = y + dy;
-                        if sy == 0 || sy > side {
-                            continue;
+                    window(side, y, x, |t, at| {
+                        dw[base + t] += scale * gv * src[at];
+                        if let Some(d) = din.as_deref_mut() {
+                            d[ci * side * side + at] += gv * w[base + t];
                         }
-                        for dx in 0..3 {
-                            let sx = x + dx;
-                            if sx == 0 || sx > side {
-                                continue;
-                            }
-                            let at = (sy - 1) * side + sx - 1;
-                            dw[base + dy * 3 + dx] += scale * gv * src[at];
-                            if let Some(d) = din.as_deref_mut() {
-                                d[ci * side * side + at] += gv * w[base + dy * 3 + dx];
-                            }
-                        }
-                    }
+                    });
                 }
             }
         }
@@ -388,16 +383,10 @@ impl Cnn {
         ws: &mut Workspace,
     ) -> (f64, usize) {
         let d = self.inputs();
-        let mut probs = Vec::new();
-        let (mut loss, mut correct) = (0.0, 0);
-        for (i, &y) in ys.iter().enumerate() {
+        score(ys, |i, logits| {
             self.forward(params, &xs[i * d..(i + 1) * d], ws);
-            loss += cross_entropy(&ws.z, y as usize, &mut probs);
-            if argmax(&ws.z) == y as usize {
-                correct += 1;
-            }
-        }
-        (loss, correct)
+            logits.clone_from(&ws.z);
+        })
     }
 }
 

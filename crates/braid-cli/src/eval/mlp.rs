@@ -179,17 +179,10 @@ impl Mlp {
     ) -> (f64, usize) {
         let d = self.inputs();
         let layers = self.offsets.len();
-        let mut probs = Vec::new();
-        let (mut loss, mut correct) = (0.0, 0);
-        for (i, &y) in ys.iter().enumerate() {
+        score(ys, |i, logits| {
             self.forward(params, &xs[i * d..(i + 1) * d], ws);
-            let logits = &ws.acts[layers];
-            loss += cross_entropy(logits, y as usize, &mut probs);
-            if argmax(logits) == y as usize {
-                correct += 1;
-            }
-        }
-        (loss, correct)
+            logits.clone_from(&ws.acts[layers]);
+        })
     }
 }
 
@@ -205,6 +198,21 @@ pub fn cross_entropy(logits: &[f32], y: usize, probs: &mut Vec<f32>) -> f64 {
             .map(|&z| ((z as f64 - max).exp() / sum) as f32),
     );
     sum.ln() + max - logits[y] as f64
+}
+
+/// Summed cross-entropy and correct predictions over the labels `ys`, `logits(i, out)` writing sample
+/// `i`'s logits into `out`.
+pub fn score(ys: &[u32], mut logits: impl FnMut(usize, &mut Vec<f32>)) -> (f64, usize) {
+    let (mut z, mut probs) = (Vec::new(), Vec::new());
+    let (mut loss, mut correct) = (0.0, 0);
+    for (i, &y) in ys.iter().enumerate() {
+        logits(i, &mut z);
+        loss += cross_entropy(&z, y as usize, &mut probs);
+        if argmax(&z) == y as usize {
+            correct += 1;
+        }
+    }
+    (loss, correct)
 }
 
 /// Index of the largest value (the first one on ties).
