@@ -197,7 +197,7 @@ fn compressed_all_reduce_matches_the_gather_reference() {
             "--ranks",
             "2",
             "--codecs",
-            "topk:0.1,topk:0.01/noef,topk:0.01/momentum=0.9/nomask",
+            "topk:0.1,topk:0.01/noef,topk:0.01/momentum=0.9",
             "--optimizers",
             "sgd",
             "--seeds",

@@ -231,13 +231,15 @@ pub fn l2_norm(x: &[f32]) -> f64 {
 /// The error buffer acts as hidden momentum: the update at step `t` mixes gradients from earlier steps, which
 /// compounds with the optimizer's own momentum; some users lower explicit momentum when compressing hard.
 ///
-/// **Momentum correction** ([`with_momentum`](Self::with_momentum), Deep Gradient Compression, Lin et al.
-/// 2018) makes that momentum explicit instead: the step keeps a velocity `u ← m·u + g·c` and forms the
-/// residual from the velocity, `residual = u + decay·error`; after compressing, it clears the velocity
-/// wherever the update is non-zero (momentum factor masking), so a coordinate's momentum restarts once it
-/// has been applied. The caller then runs **plain SGD** (its own momentum off) on the summed updates: the
-/// momentum lives here, once, and the coordinates that wait between sends keep theirs. (Sending every
-/// coordinate every step sends the gradient itself: dense momentum correction is SGD without momentum.)
+/// **Momentum correction** ([`with_momentum`](Self::with_momentum), after Deep Gradient Compression, Lin
+/// et al. 2018) makes that momentum explicit instead: the step keeps a velocity `u ← m·u + g·c` and forms
+/// the residual from the velocity, `residual = u + decay·error`. The caller then runs **plain SGD** (its
+/// own momentum off) on the summed updates: the momentum lives here, once, and the coordinates that wait
+/// between sends keep theirs. Every gradient is eventually applied with its full momentum weight
+/// `1/(1−m)`, as dense momentum SGD applies it. DGC also clears the velocity wherever the update is
+/// non-zero (momentum factor masking, [`with_masking`](Self::with_masking)), so a coordinate's momentum
+/// restarts once applied; a coordinate sent every step then gets plain SGD's weight 1 (dense momentum
+/// correction with masking is SGD without momentum).
 ///
 /// The same type serves as the second error buffer of two-phase compressed all-reduce: give it the reduced
 /// f32 chunk a rank owns, and re-compress that with its own `ErrorFeedback` of the chunk's length.
@@ -268,7 +270,7 @@ impl ErrorFeedback {
             decay: 1.0,
             clip: None,
             momentum: 0.0,
-            masking: true,
+            masking: false,
             velocity: Vec::new(),
             update: vec![0.0; len],
             staleness: Staleness::new(len),
@@ -283,7 +285,7 @@ impl ErrorFeedback {
             decay: 1.0,
             clip: None,
             momentum: 0.0,
-            masking: true,
+            masking: false,
             velocity: Vec::new(),
             update: crate::error::zeros(len, "error-feedback update")?,
             staleness: Staleness::try_new(len)?,
@@ -337,7 +339,7 @@ impl ErrorFeedback {
         Ok(self)
     }
 
-    /// Turns momentum factor masking on (the default, as DGC) or off. Without masking the velocity keeps
+    /// Turns DGC's momentum factor masking on or off (the default). Without masking the velocity keeps
     /// running after a coordinate is sent, so every gradient is eventually applied with its full momentum
     /// weight `1/(1−m)`, as dense momentum SGD applies it; with masking, a coordinate sent every step gets
     /// plain SGD's weight 1, which suits only very sparse codecs, where coordinates wait long between sends.

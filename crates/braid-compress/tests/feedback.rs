@@ -289,10 +289,13 @@ fn the_adam_warning_fires_below_one_percent() {
 // Momentum correction (DGC): the velocity lives in the error feedback; the caller runs plain SGD.
 
 #[test]
-fn momentum_correction_with_every_coordinate_sent_is_plain_sgd() {
+fn masked_momentum_correction_with_every_coordinate_sent_is_plain_sgd() {
     // Masking clears the velocity wherever it sends, so sending everything sends the gradient itself:
     // the momentum lives only in coordinates that wait between sends.
-    let mut ef = ErrorFeedback::new(3).with_momentum(0.9).unwrap();
+    let mut ef = ErrorFeedback::new(3)
+        .with_momentum(0.9)
+        .unwrap()
+        .with_masking(true);
     let mut all = TopK::new(1.0).unwrap();
     for (step, g) in [[1.0, -2.0, 0.5], [0.5, 0.5, -1.0]].iter().enumerate() {
         let (c, _) = ef.step(g, &mut all, step as u64).unwrap();
@@ -302,9 +305,12 @@ fn momentum_correction_with_every_coordinate_sent_is_plain_sgd() {
 }
 
 #[test]
-fn momentum_correction_loses_nothing_sent_plus_residual_is_the_accumulated_velocity() {
+fn masked_momentum_correction_loses_nothing_sent_plus_residual_is_the_accumulated_velocity() {
     let len = 50;
-    let mut ef = ErrorFeedback::new(len).with_momentum(0.9).unwrap();
+    let mut ef = ErrorFeedback::new(len)
+        .with_momentum(0.9)
+        .unwrap()
+        .with_masking(true);
     let mut codec = TopK::new(0.1).unwrap();
     let (mut sent, mut accumulated, mut u) = (vec![0f64; len], vec![0f64; len], vec![0f64; len]);
     for step in 0..40u64 {
@@ -335,8 +341,11 @@ fn momentum_correction_loses_nothing_sent_plus_residual_is_the_accumulated_veloc
 }
 
 #[test]
-fn momentum_correction_sends_the_largest_residuals_and_masks_their_momentum() {
-    let mut ef = ErrorFeedback::new(4).with_momentum(0.5).unwrap();
+fn masked_momentum_correction_sends_the_largest_residuals_and_masks_their_momentum() {
+    let mut ef = ErrorFeedback::new(4)
+        .with_momentum(0.5)
+        .unwrap()
+        .with_masking(true);
     let mut codec = TopK::new(0.5).unwrap();
     let (c, _) = ef.step(&[0.1, -3.0, 2.0, 0.2], &mut codec, 0).unwrap();
     assert_eq!(c.to_dense(), vec![0.0, -3.0, 2.0, 0.0]);
@@ -356,6 +365,38 @@ fn momentum_correction_sends_the_largest_residuals_and_masks_their_momentum() {
     // A reset clears the velocity too.
     ef.reset();
     assert!(ef.velocity().iter().all(|v| *v == 0.0));
+}
+
+#[test]
+fn unmasked_momentum_correction_applies_every_gradient_with_its_full_momentum_weight() {
+    // Without masking the velocity is dense momentum SGD's: what has been sent plus the residual is the
+    // sum of the velocities so far, exactly what momentum SGD would have applied (before the learning
+    // rate), whatever top-k chose.
+    let len = 40;
+    let mut ef = ErrorFeedback::new(len).with_momentum(0.9).unwrap();
+    assert!(!ef.masking());
+    let mut codec = TopK::new(0.05).unwrap();
+    let (mut sent, mut applied, mut u) = (vec![0f64; len], vec![0f64; len], vec![0f64; len]);
+    for step in 0..60u64 {
+        let g = grad(step + 100, len);
+        for i in 0..len {
+            u[i] = 0.9 * u[i] + g[i] as f64;
+            applied[i] += u[i];
+        }
+        let (c, _) = ef.step(&g, &mut codec, step).unwrap();
+        for (i, v) in c.to_dense().into_iter().enumerate() {
+            sent[i] += v as f64;
+        }
+        for i in 0..len {
+            let total = sent[i] + ef.error[i] as f64;
+            assert!(
+                (total - applied[i]).abs() < 1e-3 * (1.0 + applied[i].abs()),
+                "step {step} element {i}: {total} vs {}",
+                applied[i]
+            );
+            assert!((ef.velocity()[i] as f64 - u[i]).abs() < 1e-3 * (1.0 + u[i].abs()));
+        }
+    }
 }
 
 #[test]

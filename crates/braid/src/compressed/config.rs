@@ -11,7 +11,7 @@ use super::{AdamSafe, AdamSend, ClipScope, CompressionConfig, DensityWarmup};
 
 /// The options the grammar accepts, for error messages.
 const OPTIONS: &str =
-    "ef, noef, decay=X, clip=X, gclip=X, momentum=M, nomask, warmup=STEPS[:START], \
+    "ef, noef, decay=X, clip=X, gclip=X, momentum=M, mask, warmup=STEPS[:START], \
                        adam=STEPS[:BETA1], adamsend=moment|gradient, switch=X, seed=N, adaptive";
 
 /// Density a warm-up starts from when the text gives none (Deep Gradient Compression's 25%).
@@ -27,7 +27,7 @@ pub const DEFAULT_WARMUP_START: f32 = 0.25;
 /// | `clip=X` | clip each rank's gradient to L2 norm `X` before compressing ([`ClipScope::Local`]) |
 /// | `gclip=X` | clip to `X` by the all-reduced gradient's norm ([`ClipScope::Global`]) |
 /// | `momentum=M` | momentum correction with factor `M` in `[0, 1)`; the optimizer runs plain SGD |
-/// | `nomask` | momentum correction without momentum factor masking |
+/// | `mask` | momentum correction with DGC's momentum factor masking |
 /// | `warmup=STEPS[:START]` | density warm-up from `START` (0.25) over `STEPS` steps |
 /// | `adam=STEPS[:BETA1]` | Adam-safe compression after `STEPS` dense steps, β1 0.9 unless given |
 /// | `adamsend=moment\|gradient` | what Adam-safe compression compresses ([`AdamSend`]; default by codec) |
@@ -126,7 +126,7 @@ impl FromStr for CompressionConfig {
                     };
                 }
                 "momentum" => c.momentum = Some(num("momentum")? as f32),
-                "nomask" => c.momentum_masking = !flag(true)?,
+                "mask" => c.momentum_masking = flag(true)?,
                 "warmup" => {
                     let (steps, start) = steps_and("warmup")?;
                     let start = start.map_or(DEFAULT_WARMUP_START, |x| x as f32);
@@ -207,8 +207,8 @@ impl fmt::Display for CompressionConfig {
         if let Some(m) = self.momentum {
             write!(f, "/momentum={m}")?;
         }
-        if !self.momentum_masking {
-            write!(f, "/nomask")?;
+        if self.momentum_masking {
+            write!(f, "/mask")?;
         }
         if let Some(w) = self.warmup {
             write!(f, "/warmup={}:{}", w.steps, w.start)?;
@@ -245,7 +245,7 @@ mod tests {
 
     #[test]
     fn options_set_their_fields_and_print_back() {
-        let c = parse("TopK:0.01 / momentum=0.9 / warmup=200 / gclip=1.5 / seed=7").unwrap();
+        let c = parse("TopK:0.01 / momentum=0.9 / mask / warmup=200 / gclip=1.5 / seed=7").unwrap();
         assert_eq!(c.codec, CodecSpec::TopK { density: 0.01 });
         assert_eq!(c.momentum, Some(0.9));
         assert_eq!(
@@ -259,9 +259,10 @@ mod tests {
         assert_eq!(c.seed, 7);
         assert!(c.error_feedback);
         let text = c.to_string();
+        assert!(c.momentum_masking);
         assert_eq!(
             text,
-            "topk:0.01/gclip=1.5/momentum=0.9/warmup=200:0.25/seed=7"
+            "topk:0.01/gclip=1.5/momentum=0.9/mask/warmup=200:0.25/seed=7"
         );
         let back = parse(&text).unwrap();
         assert_eq!(format!("{back:?}"), format!("{c:?}"));
@@ -304,6 +305,7 @@ mod tests {
             ("topk/adam=10:1.5", "beta1"),
             ("topk/adam=10/momentum=0.9", "choose one"),
             ("topk/adamsend=gradient", "needs adam=STEPS"),
+            ("topk/mask", "momentum correction is off"),
             ("topk/adam=5/adamsend=sideways", "moment or gradient"),
             ("topk//noef", "empty option"),
             ("topk/noef=1", "takes no value"),

@@ -81,7 +81,7 @@ pub struct CompressionConfig {
     /// momentum off**, or the momentum counts twice. Needs a codec that compresses locally (not dense,
     /// not PowerSGD). `None`: off.
     pub momentum: Option<f32>,
-    /// Momentum correction's momentum factor masking (default on, as DGC): see
+    /// Momentum correction with DGC's momentum factor masking (default off): see
     /// [`ErrorFeedback::with_masking`](braid_compress::ErrorFeedback::with_masking).
     pub momentum_masking: bool,
     /// Density warm-up (top-k, threshold top-k, random-k): the density falls exponentially from the
@@ -112,7 +112,7 @@ impl Default for CompressionConfig {
             clip_norm: None,
             clip_scope: ClipScope::Local,
             momentum: None,
-            momentum_masking: true,
+            momentum_masking: false,
             warmup: None,
             adam: None,
             dense_switch: 0.5,
@@ -238,9 +238,9 @@ impl CompressionConfig {
                 ));
             }
         }
-        if !self.momentum_masking && self.momentum.is_none() {
+        if self.momentum_masking && self.momentum.is_none() {
             return Err(Error::invalid(
-                "nomask turns off momentum correction's masking, but momentum correction is off \
+                "mask turns on momentum correction's masking, but momentum correction is off \
                  (add momentum=M)"
                     .to_string(),
             ));
