@@ -212,10 +212,11 @@ fn train(
         OptKind::Adam => args.lr_adam,
     };
     let mut optimizer = Optimizer::new(opt, lr, len);
+    let layers = net.layer_shapes();
     let mut sync = if args.gather {
-        sync::make(setting, len, rank, args.seed, opt.is_adaptive())?
+        sync::make(setting, len, &layers, rank, args.seed, opt.is_adaptive())?
     } else {
-        sync::make_compressed(setting, len, args.seed, opt.is_adaptive())?
+        sync::make_compressed(setting, len, &layers, args.seed, opt.is_adaptive())?
     };
     let mut ws = Workspace::default();
     let (initial_train_loss, _) = evaluate(comm, net, data, &params, &mut ws)?;

@@ -14,7 +14,7 @@ use braid::{
     CodecSpec, Communicator, CompressionConfig, DType, Error, GradientCompressor, ReduceOp,
 };
 use braid_compress::{
-    echo_input, Cast, Codec, Compressed, ErrorFeedback, Int8, PowerSgd, RandomK, Sign, TopK,
+    echo_input, Cast, Codec, Compressed, ErrorFeedback, Int8, Layout, PowerSgd, RandomK, Sign, TopK,
 };
 
 /// What one synchronisation did, as seen by this rank.
@@ -164,10 +164,12 @@ impl fmt::Display for Setting {
     }
 }
 
-/// The communicator's compressed all-reduce for `setting` (dense stays a plain all-reduce).
+/// The communicator's compressed all-reduce for `setting` (dense stays a plain all-reduce); PowerSGD
+/// factorises each of `layers` (the model's tensor shapes, adding up to `len`) on its own.
 pub fn make_compressed(
     setting: Setting,
     len: usize,
+    layers: &[Vec<usize>],
     seed: u64,
     adaptive: bool,
 ) -> Result<Box<dyn GradSync>, String> {
@@ -187,6 +189,7 @@ pub fn make_compressed(
         error_feedback: setting.error_feedback,
         adaptive_optimizer: adaptive,
         seed,
+        layers: matches!(codec, CodecSpec::PowerSgd { .. }).then(|| layers.to_vec()),
         ..CompressionConfig::default()
     };
     let state = GradientCompressor::new(config, len).map_err(|e| e.to_string())?;
@@ -216,11 +219,13 @@ impl GradSync for CompressedSync {
     }
 }
 
-/// The local reference synchroniser ([`GatherSync`]) for `setting` over `len` elements on `rank`; `seed`
-/// is the run's seed and `adaptive` says whether the optimizer is adaptive (for the warnings).
+/// The local reference synchroniser ([`GatherSync`]) for `setting` over `len` elements (the tensors
+/// `layers`, which PowerSGD factorises one by one) on `rank`; `seed` is the run's seed and `adaptive` says
+/// whether the optimizer is adaptive (for the warnings).
 pub fn make(
     setting: Setting,
     len: usize,
+    layers: &[Vec<usize>],
     rank: usize,
     seed: u64,
     adaptive: bool,
@@ -242,7 +247,11 @@ pub fn make(
             Box::new(Int8::new(braid_compress::DEFAULT_BLOCK).map_err(err)?)
         }
         CodecChoice::Sign => Box::new(Sign::new(braid_compress::DEFAULT_BLOCK).map_err(err)?),
-        CodecChoice::PowerSgd(r) => Box::new(PowerSgd::new(r, rank_seed).map_err(err)?),
+        CodecChoice::PowerSgd(r) => Box::new(
+            PowerSgd::new(r, rank_seed)
+                .map_err(err)?
+                .with_layout(Layout::new(layers, len).map_err(err)?),
+        ),
     };
     let ef = if setting.error_feedback {
         ErrorFeedback::new(len)
