@@ -18,6 +18,7 @@ subclass of :class:`BraidError` chosen by braid's result code, carrying braid's 
 
 import ctypes
 import ctypes.util
+import operator
 import os
 from pathlib import Path
 
@@ -251,6 +252,8 @@ class _CompressStatsC(ctypes.Structure):
 _PATHS = ["dense", "sum_closed", "power_iteration", "sparse_all_gather", "sparse_dense_switch", "two_phase"]
 for _name, _args in {
     "braid_compressor_create": [_pp, ctypes.c_char_p, _i, _sz],
+    "braid_compressor_create_layers": [_pp, ctypes.c_char_p, _i, _sz, ctypes.POINTER(ctypes.c_uint64),
+                                       ctypes.POINTER(ctypes.c_size_t), _sz],
     "braid_compressor_destroy": [_p],
     "braid_compressor_reset": [_p],
     "braid_all_reduce_compressed": [_p, _sz, _i, _p, _p, ctypes.POINTER(_CompressStatsC)],
@@ -399,19 +402,46 @@ class Work:
             pass
 
 
+def _layer_arrays(layers):
+    """The flattened ``(dims, ndims)`` ctypes arrays of a list of shapes, checked for plain non-negative
+    integers (a float or a negative dimension would otherwise be truncated or wrap on its way to C)."""
+    dims, ndims = [], []
+    for i, shape in enumerate(layers):
+        try:
+            shape = [operator.index(d) for d in shape]
+        except TypeError:
+            raise InvalidArgumentError(
+                f"braid: layers[{i}] is not a shape (a sequence of integers): {shape!r}"[:200], 1) from None
+        if any(d < 0 or d >= 1 << 64 for d in shape):
+            raise InvalidArgumentError(f"braid: layers[{i}] has a dimension out of range: {shape}"[:200], 1)
+        dims.extend(shape)
+        ndims.append(len(shape))
+    return (ctypes.c_uint64 * len(dims))(*dims), (ctypes.c_size_t * len(ndims))(*ndims)
+
+
 class Compressor:
     """The compression state of one float32 tensor of ``length`` elements: the configuration as text, a
     codec and options (``"topk:0.1"``, ``"int8"``, ``"topk:0.01/momentum=0.9/warmup=200"``,
     ``"topk:0.1/adam=100"``, ``"powersgd:4"``, ``"none"``, ...; None: the ``BRAID_COMPRESS*`` environment or
     top-k at 10%), error feedback (None: as the text or environment says, default on) and step counter.
     Make one per tensor, the same on every rank, and pass it to :meth:`Communicator.all_reduce_compressed`
-    every step."""
+    every step.
 
-    def __init__(self, length, codec=None, error_feedback=None):
+    ``layers`` lists the shapes of the tensors the buffer holds, in order, e.g. ``[p.shape for p in
+    params]`` for a flattened bucket of parameters; their element counts must add up to ``length``.
+    PowerSGD then factorises each weight as its own matrix (shape ``(d0, d1, ...)`` as ``d0 x d1*...``) and
+    sums 1-D tensors exactly; other codecs check the shapes and ignore them."""
+
+    def __init__(self, length, codec=None, error_feedback=None, layers=None):
         ef = -1 if error_feedback is None else (1 if error_feedback else 0)
         h = ctypes.c_void_p()
         spec = None if codec is None else str(codec).encode()
-        _check(_lib.braid_compressor_create(ctypes.byref(h), spec, ef, int(length)))
+        if layers is None:
+            _check(_lib.braid_compressor_create(ctypes.byref(h), spec, ef, int(length)))
+        else:
+            dims, ndims = _layer_arrays(layers)
+            _check(_lib.braid_compressor_create_layers(ctypes.byref(h), spec, ef, int(length), dims, ndims,
+                                                       len(ndims)))
         self._h = h
         self.length = int(length)
 

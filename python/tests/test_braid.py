@@ -174,6 +174,39 @@ class Collectives(unittest.TestCase):
             self.comm.all_reduce_compressed(np.zeros(n - 1, dtype=np.float32), c)
         self.assertIn("len", str(e.exception))
 
+    def test_compressed_layers(self):
+        # A linear layer 64 -> 32 (weight, bias), a 3-D weight, a scalar, a weight too small to factorise.
+        shapes = [(32, 64), (32,), (8, 4, 10), (), np.zeros((10, 2)).shape]
+        n = sum(int(np.prod(s)) for s in shapes)
+        i = np.arange(n)
+        with braid.Compressor(n, "powersgd:2", error_feedback=True, layers=shapes) as c:
+            for step in range(3):
+                g = ((i * 3 + (self.rank + step) * 7) % 17 - 8).astype(np.float32)
+                want = sum((i * 3 + (r + step) * 7) % 17 - 8 for r in range(self.world)).astype(np.float32)
+                st = self.comm.all_reduce_compressed(g, c, op="sum")
+                self.assertEqual(st["path"], "power_iteration")
+                self.assertLess(st["wire_bytes"], st["dense_bytes"] / 3)
+                everyone = self.comm.all_gather(g).reshape(self.world, n)
+                for r in range(self.world):
+                    np.testing.assert_array_equal(everyone[r], g, err_msg=f"layers: rank {r} differs")
+                # The bias, the scalar and the small weight are summed exactly.
+                for lo, hi in ((2048, 2080), (2400, 2421)):
+                    np.testing.assert_array_equal(g[lo:hi], want[lo:hi])
+        # Only 1-D tensors: the same bits as no compression.
+        g = ((i * 5 + self.rank) % 13 - 6).astype(np.float32) * np.float32(0.1)
+        h = g.copy()
+        with braid.Compressor(n, "powersgd:4", layers=[(n - 1,), ()]) as c, braid.Compressor(n, "none") as d:
+            self.comm.all_reduce_compressed(g, c, op="sum")
+            self.comm.all_reduce_compressed(h, d, op="sum")
+        np.testing.assert_array_equal(g, h)
+        for bad, why in (([(32, 64)], "add up to"), ([(32, 0), (n,)], "dimension 1 is 0"),
+                         ([(2.5, 2)], "not a shape"), ([(-1,)], "out of range"), ([7], "not a shape")):
+            with self.assertRaises(braid.InvalidArgumentError) as e:
+                braid.Compressor(n, "powersgd:2", layers=bad)
+            self.assertIn(why, str(e.exception), bad)
+        with braid.Compressor(0, "powersgd:2", layers=[]) as c:
+            self.assertEqual(c.length, 0)
+
     def test_errors_are_typed_and_leave_the_communicator_usable(self):
         x = np.ones(8, dtype=np.float32)
         with self.assertRaises(braid.InvalidArgumentError) as e:

@@ -591,6 +591,27 @@ enum braid_result braid_compressor_create(struct braid_compressor **out,
                                           size_t len);
 
 /**
+ * `braid_compressor_create` for a tensor that holds several layers (a gradient bucket), given their
+ * shapes in order: tensor `i` has `ndims[i]` dimensions, which are the next `ndims[i]` entries of `dims`
+ * (all shapes one after the other). For a linear layer's weight `[out, in]` and bias `[out]`:
+ * `dims = {out, in, out}`, `ndims = {2, 1}`, `nlayers = 2`; a scalar has 0 dimensions. The element counts
+ * must add up to `len`, and no dimension may be 0. PowerSGD then factorises each tensor of two or more
+ * dimensions as its own `dims[0] × (the rest)` matrix and sums 1-D tensors, and matrices too small to
+ * gain, exactly; other codecs check the shapes and ignore them. Every rank must pass the same shapes.
+ *
+ * # Safety
+ * As `braid_compressor_create`; `ndims` is readable for `nlayers` values and `dims` for the sum of
+ * those values (either may be NULL when it holds none).
+ */
+enum braid_result braid_compressor_create_layers(struct braid_compressor **out,
+                                                 const char *codec_spec,
+                                                 int error_feedback,
+                                                 size_t len,
+                                                 const uint64_t *dims,
+                                                 const size_t *ndims,
+                                                 size_t nlayers);
+
+/**
  * Releases a compressor. NULL does nothing; a destroyed handle is `BRAID_INVALID_ARGUMENT`.
  *
  * # Safety

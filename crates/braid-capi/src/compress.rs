@@ -9,6 +9,7 @@ use braid_rt::{CompressedPath, CompressionConfig, GradientCompressor, Output};
 use crate::collectives::{bytes_of, checked_comm, redop_of, Region};
 use crate::guard::{guard, invalid};
 use crate::{braid_comm, braid_redop, braid_result, need_out, registry, write_out};
+use braid_rt::Error;
 
 /// The compression state of one tensor (opaque).
 pub struct braid_compressor {
@@ -107,29 +108,122 @@ pub unsafe extern "C" fn braid_compressor_create(
     len: usize,
 ) -> braid_result {
     guard("braid_compressor_create", || {
-        need_out(out, "out")?;
-        let mut config = if codec_spec.is_null() {
-            CompressionConfig::from_env()?
-        } else {
-            // SAFETY: not NULL, and the caller promises a NUL-terminated string.
-            let text = unsafe { CStr::from_ptr(codec_spec) }
-                .to_str()
-                .map_err(|_| invalid("codec_spec is not UTF-8"))?;
-            text.parse::<CompressionConfig>().map_err(|e| match e {
-                braid_rt::Error::InvalidArgument(m) => invalid(format!("codec_spec: {m}")),
-                other => other,
-            })?
-        };
-        match error_feedback {
-            -1 => {}
-            0 | 1 => config.error_feedback = error_feedback == 1,
-            e => return Err(invalid(format!("error_feedback is {e}, not -1, 0 or 1"))),
-        }
-        let state = GradientCompressor::new(config, len)?;
-        let token = registry::insert(COMPRESSOR, Mutex::new(state));
-        // SAFETY: checked above; writable per the contract.
-        unsafe { write_out(out, token as *mut braid_compressor, "out") }
+        // SAFETY: the caller's contract, passed on.
+        unsafe { create(out, codec_spec, error_feedback, len, None) }
     })
+}
+
+/// `braid_compressor_create` for a tensor that holds several layers (a gradient bucket), given their
+/// shapes in order: tensor `i` has `ndims[i]` dimensions, which are the next `ndims[i]` entries of `dims`
+/// (all shapes one after the other). For a linear layer's weight `[out, in]` and bias `[out]`:
+/// `dims = {out, in, out}`, `ndims = {2, 1}`, `nlayers = 2`; a scalar has 0 dimensions. The element counts
+/// must add up to `len`, and no dimension may be 0. PowerSGD then factorises each tensor of two or more
+/// dimensions as its own `dims[0] × (the rest)` matrix and sums 1-D tensors, and matrices too small to
+/// gain, exactly; other codecs check the shapes and ignore them. Every rank must pass the same shapes.
+///
+/// # Safety
+/// As `braid_compressor_create`; `ndims` is readable for `nlayers` values and `dims` for the sum of
+/// those values (either may be NULL when it holds none).
+#[no_mangle]
+pub unsafe extern "C" fn braid_compressor_create_layers(
+    out: *mut *mut braid_compressor,
+    codec_spec: *const c_char,
+    error_feedback: c_int,
+    len: usize,
+    dims: *const u64,
+    ndims: *const usize,
+    nlayers: usize,
+) -> braid_result {
+    guard("braid_compressor_create_layers", || {
+        need_out(out, "out")?;
+        // SAFETY: the caller promises the sizes of both arrays.
+        let layers = unsafe { read_layers(dims, ndims, nlayers) }?;
+        // SAFETY: the caller's contract, passed on.
+        unsafe { create(out, codec_spec, error_feedback, len, Some(layers)) }
+    })
+}
+
+/// The shapes of `braid_compressor_create_layers`, copied out of the caller's arrays (which need not be
+/// aligned).
+///
+/// # Safety
+/// `ndims` is readable for `nlayers` values and `dims` for their sum (or NULL when that is 0).
+unsafe fn read_layers(
+    dims: *const u64,
+    ndims: *const usize,
+    nlayers: usize,
+) -> Result<Vec<Vec<usize>>, Error> {
+    let bytes = |n: usize, each: usize, arg: &str| {
+        n.checked_mul(each)
+            .filter(|b| *b <= isize::MAX as usize)
+            .ok_or_else(|| {
+                invalid(format!(
+                    "{arg} {n} × {each} bytes overflows the address space"
+                ))
+            })
+    };
+    let counts = Region::new(
+        ndims.cast(),
+        bytes(nlayers, std::mem::size_of::<usize>(), "nlayers")?,
+        "ndims",
+    )?;
+    // SAFETY: readable for `nlayers` values per the contract; only read here.
+    let counts: Vec<usize> = unsafe { counts.bytes() }
+        .chunks_exact(std::mem::size_of::<usize>())
+        .map(|b| usize::from_ne_bytes(b.try_into().expect("a usize's bytes")))
+        .collect();
+    let total = counts
+        .iter()
+        .try_fold(0usize, |t, &n| t.checked_add(n))
+        .ok_or_else(|| invalid("ndims: the dimension counts overflow size_t"))?;
+    let all = Region::new(dims.cast(), bytes(total, 8, "the sum of ndims")?, "dims")?;
+    // SAFETY: readable for the sum of `ndims` values per the contract; only read here.
+    let bytes = unsafe { all.bytes() };
+    let mut values = bytes.chunks_exact(8).enumerate().map(|(i, b)| {
+        let d = u64::from_ne_bytes(b.try_into().expect("8 bytes"));
+        usize::try_from(d).map_err(|_| invalid(format!("dims[{i}] = {d} does not fit size_t")))
+    });
+    counts
+        .iter()
+        .map(|&n| values.by_ref().take(n).collect())
+        .collect()
+}
+
+/// The body of both create functions: every argument is checked before the handle is made.
+///
+/// # Safety
+/// `out` is valid for writing a pointer (checked for NULL here); `codec_spec` is NULL or a
+/// NUL-terminated string.
+unsafe fn create(
+    out: *mut *mut braid_compressor,
+    codec_spec: *const c_char,
+    error_feedback: c_int,
+    len: usize,
+    layers: Option<Vec<Vec<usize>>>,
+) -> Result<(), Error> {
+    need_out(out, "out")?;
+    let mut config = if codec_spec.is_null() {
+        CompressionConfig::from_env()?
+    } else {
+        // SAFETY: not NULL, and the caller promises a NUL-terminated string.
+        let text = unsafe { CStr::from_ptr(codec_spec) }
+            .to_str()
+            .map_err(|_| invalid("codec_spec is not UTF-8"))?;
+        text.parse::<CompressionConfig>().map_err(|e| match e {
+            braid_rt::Error::InvalidArgument(m) => invalid(format!("codec_spec: {m}")),
+            other => other,
+        })?
+    };
+    match error_feedback {
+        -1 => {}
+        0 | 1 => config.error_feedback = error_feedback == 1,
+        e => return Err(invalid(format!("error_feedback is {e}, not -1, 0 or 1"))),
+    }
+    config.layers = layers;
+    let state = GradientCompressor::new(config, len)?;
+    let token = registry::insert(COMPRESSOR, Mutex::new(state));
+    // SAFETY: checked above; writable per the contract.
+    unsafe { write_out(out, token as *mut braid_compressor, "out") }
 }
 
 /// Releases a compressor. NULL does nothing; a destroyed handle is `BRAID_INVALID_ARGUMENT`.

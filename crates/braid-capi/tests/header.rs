@@ -38,6 +38,7 @@ fn committed_header_matches_the_generated_one() {
         "braid_comm_init_rank",
         "braid_all_reduce",
         "braid_work_wait",
+        "braid_compressor_create_layers",
         "BRAID_INVALID_ARGUMENT",
         "BRAID_FLOAT32",
         "BRAID_CONFIG_MAGIC",

@@ -1,7 +1,7 @@
 //! braid-compress: the CPU reference gradient codecs.
 //!
 //! It owns the codecs ([`TopK`], [`ThresholdTopK`], [`RandomK`], [`Int8`], [`Sign`], [`Cast`] to fp16/bf16,
-//! [`PowerSgd`]) behind the [`Codec`] trait, the value they produce ([`Compressed`]) with its stable byte
+//! [`PowerSgd`], per layer with a [`Layout`]) behind the [`Codec`] trait, the value they produce ([`Compressed`]) with its stable byte
 //! encoding ([`wire`]), error feedback ([`ErrorFeedback`]) and what users need to see about each step
 //! ([`Stats`], [`Staleness`], [`warnings`]). Semantics are exact and documented down to rounding and the
 //! random streams ([`rng`]), because GPU kernels are tested against these references. It performs no I/O,
@@ -31,6 +31,7 @@
 mod codec;
 mod error;
 mod feedback;
+mod layout;
 pub mod rng;
 mod select;
 mod spec;
@@ -48,6 +49,7 @@ pub use feedback::{
     l2_norm, warnings, ErrorFeedback, Staleness, StalenessHistogram, Stats, ADAPTIVE_MIN_DENSITY,
     LAGGING_MIN_DENSITY, STALENESS_BUCKETS,
 };
+pub use layout::Layout;
 pub use spec::{build_codec, echo_input, BoxedCodec, CodecSpec};
 pub use warmup::DensityWarmup;
-pub use wire::{Compressed, Payload};
+pub use wire::{Compressed, Payload, Piece};

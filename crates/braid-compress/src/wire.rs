@@ -9,7 +9,7 @@
 //! |-------|---------------------------------------------------------------------------------|
 //! | 0..2  | magic `b"BC"`                                                                   |
 //! | 2     | version, `1`                                                                    |
-//! | 3     | kind: 1 sparse, 2 random-k, 3 int8, 4 sign, 5 f16, 6 bf16, 7 low-rank           |
+//! | 3     | kind: 1 sparse, 2 random-k, 3 int8, 4 sign, 5 f16, 6 bf16, 7 low-rank, 8 layered |
 //! | 4..12 | `len: u64`, the number of elements of the dense tensor (`≤ u32::MAX` for sparse and random-k) |
 //!
 //! then the body of its kind, and nothing after it:
@@ -23,6 +23,7 @@
 //! | f16      | `len × u16`, IEEE binary16 bit patterns                                                     |
 //! | bf16     | `len × u16`, bfloat16 bit patterns                                                          |
 //! | low-rank | `rows: u32`, `cols: u32` (`≥ 1`), `rank: u32`, `rows·rank × f32` P row-major, `cols·rank × f32` Q row-major; `rows = ⌈len/cols⌉`, `rank ≤ min(rows, cols)` |
+//! | layered  | `count: u32`, then `count` pieces whose elements add up to `len`, each a tag byte and its body: `0` dense, `n: u64` (`≥ 1`), `n × f32`; `1` low-rank, `rows: u32`, `cols: u32` (both `≥ 1`), `rank: u32` (`≤ min(rows, cols)`), `rows·rank × f32` P, `cols·rank × f32` Q, for exactly `rows·cols` elements |
 //!
 //! The encoding is canonical: [`Compressed::decode`] accepts exactly the byte strings that
 //! [`Compressed::encode`] can produce, so a decoded value re-encodes to the same bytes. Random-k carries no
@@ -48,6 +49,10 @@ const KIND_SIGN: u8 = 4;
 const KIND_F16: u8 = 5;
 const KIND_BF16: u8 = 6;
 const KIND_LOW_RANK: u8 = 7;
+const KIND_LAYERED: u8 = 8;
+
+const PIECE_DENSE: u8 = 0;
+const PIECE_LOW_RANK: u8 = 1;
 
 /// The body of a compressed tensor. See the [module documentation](self) for the invariants of each kind.
 #[derive(Clone, Debug, PartialEq)]
@@ -106,6 +111,53 @@ pub enum Payload {
         /// `cols × rank`, row-major.
         q: Vec<f32>,
     },
+    /// Consecutive pieces, each a run of the tensor's elements: per-layer PowerSGD
+    /// ([`Plan`](crate::power_sgd::Plan)), where each layer's matrix has its own factors and 1-D tensors
+    /// travel as they are.
+    Layered(Vec<Piece>),
+}
+
+/// One run of elements of a [`Payload::Layered`] tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Piece {
+    /// The values as they are (at least one).
+    Dense(Vec<f32>),
+    /// `P·Qᵀ` of a `rows × cols` row-major matrix of exactly `rows·cols` elements: element `i·cols + j`
+    /// is `Σ_r p[i·rank + r]·q[j·rank + r]`, summed in f32 in ascending `r`.
+    LowRank {
+        /// Rows, at least 1.
+        rows: u32,
+        /// Columns, at least 1.
+        cols: u32,
+        /// Number of factors, at most `min(rows, cols)`.
+        rank: u32,
+        /// `rows × rank`, row-major.
+        p: Vec<f32>,
+        /// `cols × rank`, row-major.
+        q: Vec<f32>,
+    },
+}
+
+impl Piece {
+    /// Number of elements of the run.
+    pub fn len(&self) -> usize {
+        match self {
+            Piece::Dense(v) => v.len(),
+            Piece::LowRank { rows, cols, .. } => (*rows as usize).saturating_mul(*cols as usize),
+        }
+    }
+
+    /// Whether the run has no elements (never, in a valid payload).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Piece::Dense(v) => 1 + 8 + 4 * v.len(),
+            Piece::LowRank { p, q, .. } => 1 + 12 + 4 * p.len() + 4 * q.len(),
+        }
+    }
 }
 
 impl Payload {
@@ -119,6 +171,7 @@ impl Payload {
             Payload::F16(_) => "f16",
             Payload::Bf16(_) => "bf16",
             Payload::LowRank { .. } => "low-rank",
+            Payload::Layered(_) => "layered",
         }
     }
 
@@ -131,6 +184,7 @@ impl Payload {
             Payload::F16(_) => KIND_F16,
             Payload::Bf16(_) => KIND_BF16,
             Payload::LowRank { .. } => KIND_LOW_RANK,
+            Payload::Layered(_) => KIND_LAYERED,
         }
     }
 
@@ -143,6 +197,7 @@ impl Payload {
             Payload::F16(v) => 2 * v.len(),
             Payload::Bf16(v) => 2 * v.len(),
             Payload::LowRank { p, q, .. } => 12 + 4 * p.len() + 4 * q.len(),
+            Payload::Layered(pieces) => 4 + pieces.iter().map(Piece::bytes).sum::<usize>(),
         }
     }
 }
@@ -155,6 +210,31 @@ impl Payload {
 pub struct Compressed {
     len: usize,
     payload: Payload,
+}
+
+#[inline(always)]
+fn put<const ADD: bool>(o: &mut f32, v: f32) {
+    if ADD {
+        *o += v
+    } else {
+        *o = v
+    }
+}
+
+/// Writes (or adds) `P·Qᵀ` of a row-major matrix with `cols` columns into `out`, whose last row may be
+/// short.
+fn low_rank<const ADD: bool>(out: &mut [f32], cols: usize, rank: usize, p: &[f32], q: &[f32]) {
+    for (i, row) in out.chunks_mut(cols).enumerate() {
+        let pi = &p[i * rank..(i + 1) * rank];
+        for (j, o) in row.iter_mut().enumerate() {
+            let qj = &q[j * rank..(j + 1) * rank];
+            let mut acc = 0.0f32;
+            for r in 0..rank {
+                acc += pi[r] * qj[r];
+            }
+            put::<ADD>(o, acc);
+        }
+    }
 }
 
 /// A broken invariant: the byte offset in the encoding where it shows, and what it is.
@@ -328,6 +408,82 @@ fn validate(len: usize, payload: &Payload) -> Result<(), Bad> {
                 );
             }
         }
+        Payload::Layered(pieces) => {
+            if pieces.len() > u32::MAX as usize {
+                return bad(h, format!("{} pieces do not fit a u32 count", pieces.len()));
+            }
+            let (mut at, mut total) = (h + 4, 0usize);
+            for (i, piece) in pieces.iter().enumerate() {
+                check_piece(piece, at).map_err(|b| Bad {
+                    at: b.at,
+                    detail: format!("piece {i}: {}", b.detail),
+                })?;
+                total = match total.checked_add(piece.len()) {
+                    Some(t) if t <= len => t,
+                    _ => {
+                        return bad(
+                            at,
+                            format!("piece {i} ends past the tensor's {len} elements"),
+                        )
+                    }
+                };
+                at += piece.bytes();
+            }
+            if total != len {
+                return bad(
+                    at,
+                    format!("the pieces hold {total} elements, the tensor has {len}"),
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks one piece of a layered payload whose encoding starts at byte `at` (its tag).
+fn check_piece(piece: &Piece, at: usize) -> Result<(), Bad> {
+    match piece {
+        Piece::Dense(v) => {
+            if v.is_empty() {
+                return bad(at + 1, "a dense piece has no elements");
+            }
+        }
+        Piece::LowRank {
+            rows,
+            cols,
+            rank,
+            p,
+            q,
+        } => {
+            let (rows, cols, rank) = (*rows as usize, *cols as usize, *rank as usize);
+            if rows == 0 || cols == 0 {
+                return bad(at + 1, format!("a {rows} × {cols} matrix has no elements"));
+            }
+            if rank > rows.min(cols) {
+                return bad(
+                    at + 9,
+                    format!("rank {rank} exceeds min(rows, cols) = {}", rows.min(cols)),
+                );
+            }
+            if Some(p.len()) != rows.checked_mul(rank) {
+                return bad(
+                    at + 13,
+                    format!(
+                        "P has {} elements, expected rows·rank = {rows}·{rank}",
+                        p.len()
+                    ),
+                );
+            }
+            if Some(q.len()) != cols.checked_mul(rank) {
+                return bad(
+                    at + 13 + 4 * p.len(),
+                    format!(
+                        "Q has {} elements, expected cols·rank = {cols}·{rank}",
+                        q.len()
+                    ),
+                );
+            }
+        }
     }
     Ok(())
 }
@@ -393,6 +549,59 @@ impl<'a> Reader<'a> {
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes(c.try_into().expect("4")))
             .collect())
+    }
+
+    /// Piece `i` of a layered body; its shape is checked before its values are read.
+    fn piece(&mut self, i: u32) -> Result<Piece> {
+        let at = self.pos;
+        let malformed = |offset: usize, detail: String| Error::Malformed {
+            offset,
+            detail: format!("piece {i}: {detail}"),
+        };
+        let piece = match self.take(1, "piece tag")?[0] {
+            PIECE_DENSE => {
+                let n = self.u64("dense piece length")?;
+                let n = usize::try_from(n)
+                    .map_err(|_| malformed(at + 1, format!("{n} elements do not fit usize")))?;
+                Piece::Dense(self.f32s(n, "dense piece values")?)
+            }
+            PIECE_LOW_RANK => {
+                let rows = self.u32("rows")?;
+                let cols = self.u32("cols")?;
+                let rank = self.u32("rank")?;
+                let shape = Piece::LowRank {
+                    rows,
+                    cols,
+                    rank,
+                    p: Vec::new(),
+                    q: Vec::new(),
+                };
+                if let Err(b) = check_piece(&shape, at) {
+                    if b.at < at + 13 {
+                        return Err(malformed(b.at, b.detail));
+                    }
+                }
+                let p = self.f32s((rows as usize).saturating_mul(rank as usize), "P")?;
+                let q = self.f32s((cols as usize).saturating_mul(rank as usize), "Q")?;
+                Piece::LowRank {
+                    rows,
+                    cols,
+                    rank,
+                    p,
+                    q,
+                }
+            }
+            tag => {
+                return Err(malformed(
+                    at,
+                    format!("unknown piece tag {tag} (known: 0, 1)"),
+                ))
+            }
+        };
+        if let Err(b) = check_piece(&piece, at) {
+            return Err(malformed(b.at, b.detail));
+        }
+        Ok(piece)
     }
 
     fn u16s(&mut self, count: usize, what: &str) -> Result<Vec<u16>> {
@@ -514,6 +723,32 @@ impl Compressed {
                 b.extend_from_slice(&rank.to_le_bytes());
                 f32s(&mut b, p);
                 f32s(&mut b, q);
+            }
+            Payload::Layered(pieces) => {
+                b.extend_from_slice(&(pieces.len() as u32).to_le_bytes());
+                for piece in pieces {
+                    match piece {
+                        Piece::Dense(v) => {
+                            b.push(PIECE_DENSE);
+                            b.extend_from_slice(&(v.len() as u64).to_le_bytes());
+                            f32s(&mut b, v);
+                        }
+                        Piece::LowRank {
+                            rows,
+                            cols,
+                            rank,
+                            p,
+                            q,
+                        } => {
+                            b.push(PIECE_LOW_RANK);
+                            b.extend_from_slice(&rows.to_le_bytes());
+                            b.extend_from_slice(&cols.to_le_bytes());
+                            b.extend_from_slice(&rank.to_le_bytes());
+                            f32s(&mut b, p);
+                            f32s(&mut b, q);
+                        }
+                    }
+                }
             }
         }
         debug_assert_eq!(b.len(), self.wire_bytes());
@@ -647,10 +882,18 @@ impl Compressed {
                     q,
                 }
             }
+            KIND_LAYERED => {
+                let count = r.u32("piece count")?;
+                let mut pieces = Vec::new();
+                for i in 0..count {
+                    pieces.push(r.piece(i)?);
+                }
+                Payload::Layered(pieces)
+            }
             other => {
                 return Err(Error::Malformed {
                     offset: 3,
-                    detail: format!("unknown kind {other} (known: 1..=7)"),
+                    detail: format!("unknown kind {other} (known: 1..=8)"),
                 })
             }
         };
@@ -708,14 +951,6 @@ impl Compressed {
                 expected: self.len,
                 got: out.len(),
             });
-        }
-        #[inline(always)]
-        fn put<const ADD: bool>(o: &mut f32, v: f32) {
-            if ADD {
-                *o += v
-            } else {
-                *o = v
-            }
         }
         match &self.payload {
             Payload::Sparse { indices, values } => {
@@ -783,17 +1018,19 @@ impl Compressed {
             }
             Payload::LowRank {
                 cols, rank, p, q, ..
-            } => {
-                let (cols, rank) = (*cols as usize, *rank as usize);
-                for (i, row) in out.chunks_mut(cols).enumerate() {
-                    let pi = &p[i * rank..(i + 1) * rank];
-                    for (j, o) in row.iter_mut().enumerate() {
-                        let qj = &q[j * rank..(j + 1) * rank];
-                        let mut acc = 0.0f32;
-                        for r in 0..rank {
-                            acc += pi[r] * qj[r];
+            } => low_rank::<ADD>(out, *cols as usize, *rank as usize, p, q),
+            Payload::Layered(pieces) => {
+                let mut rest = &mut out[..];
+                for piece in pieces {
+                    let (run, tail) = rest.split_at_mut(piece.len());
+                    rest = tail;
+                    match piece {
+                        Piece::Dense(v) => {
+                            run.iter_mut().zip(v).for_each(|(o, &x)| put::<ADD>(o, x))
                         }
-                        put::<ADD>(o, acc);
+                        Piece::LowRank {
+                            cols, rank, p, q, ..
+                        } => low_rank::<ADD>(run, *cols as usize, *rank as usize, p, q),
                     }
                 }
             }
@@ -828,7 +1065,7 @@ impl Compressed {
             (a, b) if a.kind_name() != b.kind_name() => {
                 return Err(Error::NotSummable(format!("kinds differ ({} and {})", a.kind_name(), b.kind_name())))
             }
-            (Payload::LowRank { .. }, _) => {
+            (Payload::LowRank { .. } | Payload::Layered(_), _) => {
                 return Err(Error::NotSummable(
                     "low-rank factors are reduced one at a time (all-reduce P, orthogonalise, all-reduce Q), not as a product".into(),
                 ))

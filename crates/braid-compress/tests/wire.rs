@@ -2,7 +2,7 @@
 
 mod common;
 
-use braid_compress::{Compressed, Error, Payload};
+use braid_compress::{Codec, Compressed, Error, Layout, Payload, Piece, PowerSgd};
 use common::{all_codecs, grad};
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -24,13 +24,25 @@ fn malformed(bytes: &[u8]) -> (usize, String) {
     }
 }
 
-/// Valid encodings of every codec's output for a gradient of `len` elements.
+/// Valid encodings of every codec's output for a gradient of `len` elements, and of per-layer PowerSGD
+/// over a layout of that length (matrices, a 1-D tensor, a matrix too small to factorise).
 fn valid_encodings(seed: u64, len: usize) -> Vec<Vec<u8>> {
     let x = grad(seed, len);
-    all_codecs(seed)
+    let mut out: Vec<Vec<u8>> = all_codecs(seed)
         .iter_mut()
         .map(|c| c.compress(&x, seed).encode())
-        .collect()
+        .collect();
+    let (big, rest) = (len / 24, len % 24);
+    let mut shapes = vec![vec![4, 6]; big];
+    match rest {
+        0 => {}
+        1 => shapes.push(vec![1]),
+        _ => shapes.extend([vec![1, 1], vec![rest - 1]]),
+    }
+    let layout = Layout::new(&shapes, len).unwrap();
+    let mut layered = PowerSgd::new(2, seed).unwrap().with_layout(layout);
+    out.push(layered.compress(&x, seed).encode());
+    out
 }
 
 proptest! {
@@ -43,7 +55,7 @@ proptest! {
 
     #[test]
     fn decode_never_panics_on_random_bodies(
-        kind in 0u8..9,
+        kind in 0u8..10,
         len in prop_oneof![0u64..64, any::<u64>()],
         body in prop::collection::vec(any::<u8>(), 0..300),
     ) {
@@ -221,7 +233,7 @@ fn decode_rejects_bad_headers() {
     let (at, detail) = malformed(&header(0, 0));
     assert_eq!(at, 3);
     assert!(detail.contains("unknown kind 0"));
-    assert!(malformed(&header(8, 0)).1.contains("unknown kind 8"));
+    assert!(malformed(&header(9, 0)).1.contains("unknown kind 9"));
     assert!(malformed(&header(1, 0)[..10])
         .1
         .contains("length needs 8 bytes"));
@@ -418,4 +430,138 @@ fn only_sum_closed_kinds_add() {
             .contains("all-reduce P"),
         "low-rank"
     );
+}
+
+#[test]
+fn layered_encoding_is_pinned() {
+    let c = Compressed::new(
+        7,
+        Payload::Layered(vec![
+            Piece::Dense(vec![1.0, -2.0]),
+            Piece::LowRank {
+                rows: 2,
+                cols: 2,
+                rank: 1,
+                p: vec![1.0, 2.0],
+                q: vec![3.0, 4.0],
+            },
+            Piece::Dense(vec![0.5]),
+        ]),
+    )
+    .unwrap();
+    let mut want = header(8, 7);
+    le32(&mut want, 3);
+    want.push(0);
+    want.extend_from_slice(&2u64.to_le_bytes());
+    [1.0f32, -2.0]
+        .iter()
+        .for_each(|v| want.extend_from_slice(&v.to_le_bytes()));
+    want.push(1);
+    [2, 2, 1].iter().for_each(|&v| le32(&mut want, v));
+    [1.0f32, 2.0, 3.0, 4.0]
+        .iter()
+        .for_each(|v| want.extend_from_slice(&v.to_le_bytes()));
+    want.push(0);
+    want.extend_from_slice(&1u64.to_le_bytes());
+    want.extend_from_slice(&0.5f32.to_le_bytes());
+    assert_eq!(c.encode(), want);
+    assert_eq!(c.wire_bytes(), want.len());
+    assert_eq!(c.to_dense(), [1.0, -2.0, 3.0, 4.0, 6.0, 8.0, 0.5]);
+    let mut acc = [1.0; 7];
+    c.accumulate(&mut acc).unwrap();
+    assert_eq!(acc, [2.0, -1.0, 4.0, 5.0, 7.0, 9.0, 1.5]);
+    assert_eq!(Compressed::decode(&want).unwrap(), c);
+    assert!(matches!(c.try_add(&c), Err(Error::NotSummable(_))));
+    let empty = Compressed::new(0, Payload::Layered(vec![])).unwrap();
+    assert_eq!(Compressed::decode(&empty.encode()).unwrap(), empty);
+}
+
+#[test]
+fn layered_payloads_are_checked_piece_by_piece() {
+    let piece = |tag: u8, body: &[u8]| {
+        let mut b = vec![tag];
+        b.extend_from_slice(body);
+        b
+    };
+    let layered = |len: u64, pieces: &[Vec<u8>]| {
+        let mut b = header(8, len);
+        le32(&mut b, pieces.len() as u32);
+        pieces.iter().for_each(|p| b.extend_from_slice(p));
+        b
+    };
+    let dense = |n: u64| {
+        let mut b = n.to_le_bytes().to_vec();
+        (0..n).for_each(|_| b.extend_from_slice(&1f32.to_le_bytes()));
+        piece(0, &b)
+    };
+    let low_rank = |rows: u32, cols: u32, rank: u32| {
+        let mut b = Vec::new();
+        [rows, cols, rank].iter().for_each(|&v| le32(&mut b, v));
+        b.resize(12 + 4 * (rows * rank + cols * rank) as usize, 0);
+        piece(1, &b)
+    };
+    assert!(Compressed::decode(&layered(6, &[dense(2), low_rank(2, 2, 1)])).is_ok());
+    let (at, detail) = malformed(&layered(7, &[dense(2), low_rank(2, 2, 1)]));
+    assert_eq!(
+        (at, detail.as_str()),
+        (
+            12 + 4 + 17 + 29,
+            "the pieces hold 6 elements, the tensor has 7"
+        )
+    );
+    let (at, detail) = malformed(&layered(5, &[dense(2), low_rank(2, 2, 1)]));
+    assert_eq!(
+        (at, detail.as_str()),
+        (12 + 4 + 17, "piece 1 ends past the tensor's 5 elements")
+    );
+    let (at, detail) = malformed(&layered(0, &[dense(0)]));
+    assert_eq!(
+        (at, detail.as_str()),
+        (17, "piece 0: a dense piece has no elements")
+    );
+    assert!(malformed(&layered(4, &[low_rank(2, 2, 3)]))
+        .1
+        .contains("piece 0: rank 3 exceeds min(rows, cols) = 2"));
+    assert!(malformed(&layered(0, &[low_rank(0, 2, 0)]))
+        .1
+        .contains("piece 0: a 0 × 2 matrix has no elements"));
+    let (at, detail) = malformed(&layered(1, &[piece(7, &[])]));
+    assert_eq!(
+        (at, detail.as_str()),
+        (16, "piece 0: unknown piece tag 7 (known: 0, 1)")
+    );
+    // Counts the bytes cannot back are caught before anything is allocated.
+    assert!(
+        malformed(&layered(1, &[piece(0, &(1u64 << 40).to_le_bytes())]))
+            .1
+            .contains("dense piece values needs")
+    );
+    let mut b = Vec::new();
+    [1 << 16, 1 << 16, 1 << 16]
+        .iter()
+        .for_each(|&v| le32(&mut b, v));
+    assert!(malformed(&layered(1 << 32, &[piece(1, &b)]))
+        .1
+        .starts_with("P needs 17179869184 bytes"));
+    let mut b = header(8, 0);
+    le32(&mut b, u32::MAX);
+    assert!(malformed(&b).1.contains("piece tag needs 1 bytes, 0 left"));
+    // Compressed::new checks the same invariants.
+    let e = Compressed::new(3, Payload::Layered(vec![Piece::Dense(vec![1.0; 2])])).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid layered payload: the pieces hold 2 elements, the tensor has 3"
+    );
+    let e = Compressed::new(
+        4,
+        Payload::Layered(vec![Piece::LowRank {
+            rows: 2,
+            cols: 2,
+            rank: 1,
+            p: vec![1.0],
+            q: vec![1.0; 2],
+        }]),
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("piece 0: P has 1 elements"), "{e}");
 }

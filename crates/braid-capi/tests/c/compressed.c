@@ -122,6 +122,84 @@ int main(void) {
     CHECK(braid_compressor_destroy(adam));
   }
 
+  /* Per-layer PowerSGD: two weights, their biases and a weight too small to factorise at rank 2. */
+  {
+    static const uint64_t dims[] = {32, 64, 32, 16, 120, 16, 40, 2};
+    static const size_t ndims[] = {2, 1, 2, 1, 2};
+    braid_compressor *c = NULL, *plain = NULL;
+    CHECK(braid_compressor_create_layers(&c, "powersgd:2", 1, LEN, dims, ndims, 5));
+    for (int step = 0; step < 3; step++) {
+      fill(g, g_rank + step);
+      braid_compress_stats st;
+      CHECK(braid_all_reduce_compressed(g, LEN, BRAID_SUM, c, comm, &st));
+      EXPECT(st.path == BRAID_PATH_POWER_ITERATION, "layers: path %d", st.path);
+      EXPECT(st.wire_bytes < st.dense_bytes / 4, "layers: %llu wire bytes of %llu",
+             (unsigned long long)st.wire_bytes, (unsigned long long)st.dense_bytes);
+      EXPECT(g_world == 1 || st.sent_bytes < st.dense_sent_bytes / 2, "layers: sent %llu of %llu",
+             (unsigned long long)st.sent_bytes, (unsigned long long)st.dense_sent_bytes);
+      expect_identical(comm, g, "powersgd:2 with layers");
+      /* The biases (2048..2080, 4000..4016) and the small weight (4016..4096) are summed exactly: the
+       * small integers of fill() add up exactly in any order. */
+      for (int i = 0; i < LEN; i++) {
+        if (!((i >= 2048 && i < 2080) || i >= 4000)) continue;
+        double want = 0;
+        for (int r = 0; r < g_world; r++) want += (double)((((r + step) * 7 + i * 3) % 17) - 8);
+        EXPECT(g[i] == (float)want, "layers: dense element %d is %g, expected %g", i, g[i], want);
+      }
+    }
+    CHECK(braid_compressor_destroy(c));
+    /* Only 1-D tensors (and a scalar): the same bits as no compression. */
+    static const uint64_t flat[] = {4000, 95};
+    static const size_t flat_n[] = {1, 1, 0};
+    CHECK(braid_compressor_create_layers(&c, "powersgd:4", 1, LEN, flat, flat_n, 3));
+    CHECK(braid_compressor_create(&plain, "none", 1, LEN));
+    float *h = malloc(LEN * sizeof(float));
+    fill(g, g_rank);
+    memcpy(h, g, LEN * sizeof(float));
+    braid_compress_stats st;
+    CHECK(braid_all_reduce_compressed(g, LEN, BRAID_SUM, c, comm, &st));
+    EXPECT(st.compression_error == 0, "1-D layers: compression error %g", st.compression_error);
+    CHECK(braid_all_reduce_compressed(h, LEN, BRAID_SUM, plain, comm, NULL));
+    EXPECT(memcmp(g, h, LEN * sizeof(float)) == 0, "1-D layers differ from no compression");
+    free(h);
+    CHECK(braid_compressor_destroy(plain));
+    CHECK(braid_compressor_destroy(c));
+
+    /* Shapes that do not fit: rejected, no handle made, the message names the problem. */
+    static const uint64_t zero[] = {32, 0};
+    static const size_t two[] = {2};
+    c = NULL;
+    struct {
+      const char *name, *why;
+      braid_result rc;
+    } bad[] = {
+        {"too few elements", "add up to", braid_compressor_create_layers(&c, "powersgd:2", 1, LEN, dims, ndims, 4)},
+        {"a zero dimension", "dimension 1 is 0", braid_compressor_create_layers(&c, "powersgd:2", 1, LEN, zero, two, 1)},
+        {"ndims NULL", "ndims is NULL", braid_compressor_create_layers(&c, "powersgd:2", 1, LEN, dims, NULL, 5)},
+        {"dims NULL", "dims is NULL", braid_compressor_create_layers(&c, "powersgd:2", 1, LEN, NULL, ndims, 5)},
+        {"nlayers huge", "overflows", braid_compressor_create_layers(&c, "powersgd:2", 1, LEN, dims, ndims, SIZE_MAX)},
+        {"out NULL", "out", braid_compressor_create_layers(NULL, "powersgd:2", 1, LEN, dims, ndims, 5)},
+        {"bad codec", "codec_spec", braid_compressor_create_layers(&c, "powersgd:0", 1, LEN, dims, ndims, 5)},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+      EXPECT(bad[i].rc == BRAID_INVALID_ARGUMENT, "layers, %s: returned %d", bad[i].name, bad[i].rc);
+    EXPECT(c == NULL, "a rejected call made a compressor");
+    /* The messages, one call at a time. */
+    for (size_t i = 0; i < 2; i++) {
+      braid_result rc = i == 0 ? braid_compressor_create_layers(&c, "powersgd:2", 1, LEN, dims, ndims, 4)
+                               : braid_compressor_create_layers(&c, "powersgd:2", 1, LEN, zero, two, 1);
+      EXPECT(rc == BRAID_INVALID_ARGUMENT && strstr(braid_get_last_error_message(), bad[i].why),
+             "layers, %s: message %s", bad[i].name, braid_get_last_error_message());
+    }
+    EXPECT(braid_compressor_create_layers(&c, "powersgd:2", 1, LEN, NULL, ndims, 5) ==
+                   BRAID_INVALID_ARGUMENT &&
+               strstr(braid_get_last_error_message(), "dims is NULL"),
+           "layers, dims NULL: message %s", braid_get_last_error_message());
+    /* No layers for an empty tensor: valid, NULL arrays included. */
+    CHECK(braid_compressor_create_layers(&c, "powersgd:2", 1, 0, NULL, NULL, 0));
+    CHECK(braid_compressor_destroy(c));
+  }
+
   /* Hostile input: rejected, gradient unchanged. */
   braid_compressor *c = NULL;
   CHECK(braid_compressor_create(&c, "topk:0.5", 0, LEN));

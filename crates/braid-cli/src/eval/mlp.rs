@@ -56,6 +56,15 @@ impl Mlp {
         &self.sizes
     }
 
+    /// The shapes of the tensors in the flat parameter vector, in order: per layer the weight
+    /// `[out, in]`, then the bias `[out]` (what PowerSGD factorises layer by layer).
+    pub fn layer_shapes(&self) -> Vec<Vec<usize>> {
+        self.sizes
+            .windows(2)
+            .flat_map(|w| [vec![w[1], w[0]], vec![w[1]]])
+            .collect()
+    }
+
     /// Input width.
     pub fn inputs(&self) -> usize {
         self.sizes[0]
@@ -243,6 +252,15 @@ mod tests {
         assert_eq!(m.num_params(), 3 * 4 + 4 + 4 * 2 + 2);
         assert!(Mlp::new(&[3]).is_err());
         assert!(Mlp::new(&[3, 0, 2]).is_err());
+        // The shapes follow the flat vector: weight [out, in] at its offset, then the bias.
+        let shapes = m.layer_shapes();
+        assert_eq!(shapes, [vec![4, 3], vec![4], vec![2, 4], vec![2]]);
+        let mut at = 0;
+        for (l, &(wo, bo)) in m.offsets.iter().enumerate() {
+            assert_eq!((wo, bo), (at, at + shapes[2 * l].iter().product::<usize>()));
+            at = bo + shapes[2 * l + 1][0];
+        }
+        assert_eq!(at, m.num_params());
     }
 
     #[test]

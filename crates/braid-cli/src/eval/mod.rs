@@ -351,10 +351,11 @@ fn train(
         OptKind::Sgd => Optimizer::sgd_with(lr, setting.sgd_momentum(), len),
         OptKind::Adam => Optimizer::adam(lr, len),
     };
+    let layers = net.layer_shapes();
     let mut sync = if args.gather {
-        sync::make(setting, len, rank, seed, opt.is_adaptive())?
+        sync::make(setting, len, &layers, rank, seed, opt.is_adaptive())?
     } else {
-        sync::make_compressed(setting, len, seed, opt.is_adaptive())?
+        sync::make_compressed(setting, len, &layers, seed, opt.is_adaptive())?
     };
     // Steps each parameter's synchronised gradient has been zero in a row, and the longest such run.
     let mut idle = vec![0u32; len];

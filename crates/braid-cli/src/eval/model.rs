@@ -28,6 +28,15 @@ impl Net {
         }
     }
 
+    /// The shapes of the tensors in the flat parameter vector, in order (what PowerSGD factorises one by
+    /// one).
+    pub fn layer_shapes(&self) -> Vec<Vec<usize>> {
+        match self {
+            Net::Mlp(m) => m.layer_shapes(),
+            Net::Cnn(c) => c.shapes(),
+        }
+    }
+
     /// Initial parameters, a pure function of `seed`.
     pub fn init(&self, seed: u64) -> Vec<f32> {
         match self {

@@ -15,7 +15,7 @@ use braid::{
     ClipScope, CodecSpec, Communicator, CompressionConfig, DType, Error, GradientCompressor,
     Output, ReduceOp,
 };
-use braid_compress::{echo_input, Compressed, ErrorFeedback};
+use braid_compress::{echo_input, Compressed, ErrorFeedback, Layout, PowerSgd};
 
 use super::OptKind;
 
@@ -119,18 +119,23 @@ impl Setting {
     }
 }
 
-/// The communicator's compressed all-reduce for `setting` (plain dense stays a plain all-reduce).
+/// The communicator's compressed all-reduce for `setting` (plain dense stays a plain all-reduce); PowerSGD
+/// factorises each of `layers` (the model's tensor shapes, adding up to `len`) on its own.
 pub fn make_compressed(
     setting: &Setting,
     len: usize,
+    layers: &[Vec<usize>],
     seed: u64,
     adaptive: bool,
 ) -> Result<Box<dyn GradSync>, String> {
     if setting.is_plain_dense() {
         return Ok(Box::new(DenseSync));
     }
-    let state =
-        GradientCompressor::new(setting.seeded(seed, adaptive), len).map_err(|e| e.to_string())?;
+    let mut config = setting.seeded(seed, adaptive);
+    if matches!(config.codec, CodecSpec::PowerSgd { .. }) {
+        config.layers = Some(layers.to_vec());
+    }
+    let state = GradientCompressor::new(config, len).map_err(|e| e.to_string())?;
     Ok(Box::new(CompressedSync { state }))
 }
 
@@ -158,13 +163,15 @@ impl GradSync for CompressedSync {
     }
 }
 
-/// The local reference synchroniser ([`GatherSync`]) for `setting` over `len` elements on `rank`; `seed`
-/// is the run's seed and `adaptive` says whether the optimizer is adaptive (for the warnings). It
-/// implements the codec, error feedback, decay, local clipping and momentum correction; the options that
-/// need the runtime (global clipping, warm-up, Adam-safe compression) are refused.
+/// The local reference synchroniser ([`GatherSync`]) for `setting` over `len` elements (the tensors
+/// `layers`, which PowerSGD factorises one by one) on `rank`; `seed` is the run's seed and `adaptive` says
+/// whether the optimizer is adaptive (for the warnings). It implements the codec, error feedback, decay,
+/// local clipping and momentum correction; the options that need the runtime (global clipping, warm-up,
+/// Adam-safe compression) are refused.
 pub fn make(
     setting: &Setting,
     len: usize,
+    layers: &[Vec<usize>],
     rank: usize,
     seed: u64,
     adaptive: bool,
@@ -189,11 +196,17 @@ pub fn make(
         CodecSpec::RandomK { .. } => seed,
         _ => seed ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
     };
-    let codec = c
-        .codec
-        .local_codec(rank_seed)
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("{setting}: no local codec"))?;
+    let codec: braid::compressed::BoxedCodec = match c.codec {
+        CodecSpec::PowerSgd { rank } => Box::new(
+            PowerSgd::new(rank, rank_seed)
+                .map_err(err)?
+                .with_layout(Layout::new(layers, len).map_err(err)?),
+        ),
+        other => other
+            .local_codec(rank_seed)
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| format!("{setting}: no local codec"))?,
+    };
     let mut ef = ErrorFeedback::try_new(len).map_err(err)?;
     if !c.error_feedback {
         ef = ef.with_decay(0.0).map_err(err)?;

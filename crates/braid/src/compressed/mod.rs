@@ -8,7 +8,9 @@
 //! * PowerSGD sums its two factors one at a time, orthogonalising in between, and warm-starts from the
 //!   last summed `Q` ([`CompressedPath::PowerIteration`]); each rank's error buffer keeps what its own share
 //!   of the approximation, `P·(Mᵀ·P)ᵀ`, missed, so the ranks' errors add up to what the summed
-//!   approximation missed;
+//!   approximation missed. Given the bucket's [layer shapes](CompressionConfig::layers), each weight is
+//!   factorised as its own matrix and 1-D tensors are summed exactly, with every layer's P (and the
+//!   exact parts) in one all-reduce and every Q in another;
 //! * top-k carries per-rank indices: ranks all-gather their `(index, value)` pairs and every rank sums them
 //!   in rank order ([`CompressedPath::SparseAllGather`]), unless the union would be dense enough that a
 //!   dense all-reduce of the sparse updates is cheaper ([`CompressedPath::SparseDenseSwitch`], SparCML);
@@ -23,8 +25,8 @@
 
 use std::fmt;
 
-use braid_compress::power_sgd::matrix_shape;
-use braid_compress::{build_codec, ErrorFeedback, Staleness, Stats, DEFAULT_DENSITY};
+use braid_compress::power_sgd::Plan;
+use braid_compress::{build_codec, ErrorFeedback, Layout, Staleness, Stats, DEFAULT_DENSITY};
 pub use braid_compress::{BoxedCodec, CodecSpec, DensityWarmup};
 use braid_core::{parse_bool, Error};
 
@@ -98,6 +100,12 @@ pub struct CompressionConfig {
     pub adaptive_optimizer: bool,
     /// Seed of random-k's indices, threshold sampling, stochastic rounding and PowerSGD's first `Q`.
     pub seed: u64,
+    /// The shapes of the tensors the bucket holds, in order (e.g. every parameter's `shape`), which
+    /// must add up to its length. PowerSGD then factorises each tensor of two or more dimensions as a
+    /// `d0 × (d1·…)` matrix of its own and sums 1-D tensors and matrices too small to gain
+    /// (`r·(rows + cols) ≥ rows·cols`) exactly ([`braid_compress::power_sgd::Plan`]); `None`: the whole
+    /// bucket is one near-square matrix. Checked against the length for every codec; used by PowerSGD.
+    pub layers: Option<Vec<Vec<usize>>>,
 }
 
 impl Default for CompressionConfig {
@@ -118,6 +126,7 @@ impl Default for CompressionConfig {
             dense_switch: 0.5,
             adaptive_optimizer: false,
             seed: 0,
+            layers: None,
         }
     }
 }
@@ -416,6 +425,8 @@ pub struct GradientCompressor {
     staleness: Staleness,
     /// Two-phase: `(world, rank)` it was made for, the shard's codec and its second error buffer.
     server: Option<(usize, usize, BoxedCodec, ErrorFeedback)>,
+    /// PowerSGD's plan: which runs are factorised, where their factors sit.
+    power: Option<Plan>,
     /// PowerSGD's warm-started Q.
     warm_q: Option<Vec<f32>>,
     /// The density the codec was built for (warm-up rebuilds it when the schedule moves).
@@ -443,6 +454,14 @@ fn codec_error(e: braid_compress::Error) -> Error {
     }
 }
 
+/// The text of a codec parameter error without its kind prefix.
+fn parameter_message(e: braid_compress::Error) -> String {
+    match e {
+        braid_compress::Error::InvalidParameter(m) => m,
+        other => other.to_string(),
+    }
+}
+
 /// A well-mixed seed for the second (shard) codec of `rank`, so stochastic rounding of different shards
 /// does not reuse the same draws.
 fn shard_seed(seed: u64, rank: usize) -> u64 {
@@ -465,15 +484,26 @@ impl GradientCompressor {
                 u32::MAX
             )));
         }
-        if let CodecSpec::PowerSgd { rank } = config.codec {
-            let (rows, cols, _) = matrix_shape(len, None, rank);
-            if rows > u32::MAX as usize || cols > u32::MAX as usize {
-                return Err(Error::invalid(format!(
-                    "compression codec {}: a {rows} × {cols} matrix view does not fit u32 dimensions",
-                    config.codec
-                )));
+        let layout = match &config.layers {
+            Some(shapes) => Some(
+                Layout::new(shapes, len)
+                    .map_err(|e| Error::invalid(format!("compression {}", parameter_message(e))))?,
+            ),
+            None => None,
+        };
+        let power = match (config.codec, &layout) {
+            (CodecSpec::PowerSgd { rank }, Some(l)) => Some(Plan::layered(l, rank)),
+            (CodecSpec::PowerSgd { rank }, None) => {
+                Some(Plan::single(len, None, rank).map_err(|e| {
+                    Error::invalid(format!(
+                        "compression codec {}: {}",
+                        config.codec,
+                        parameter_message(e)
+                    ))
+                })?)
             }
-        }
+            _ => None,
+        };
         let codec = build_codec(config.codec, config.seed)?;
         // Adam-safe compression clips the gradient before it enters the first moment, not the moment.
         let ef_clip = config.local_clip().filter(|_| config.adam.is_none());
@@ -493,6 +523,7 @@ impl GradientCompressor {
             ef,
             staleness: Staleness::try_new(len).map_err(codec_error)?,
             server: None,
+            power,
             warm_q: None,
             last: None,
             warned: false,

@@ -4,9 +4,6 @@
 
 use std::ops::Range;
 
-use braid_compress::power_sgd::{
-    initial_q, matrix_shape, multiply, multiply_transposed, orthogonalize,
-};
 use braid_compress::{build_codec, l2_norm, Compressed, Payload, Staleness, Stats};
 use braid_core::{DType, Error, ReduceOp};
 use braid_sched::partition;
@@ -418,19 +415,20 @@ impl Communicator {
         Ok((stats, CompressedPath::SumClosed, sent))
     }
 
+    /// PowerSGD over the compressor's plan: one matrix, or one per layer with the dense parts exact.
+    /// The first all-reduce sums `[P of every matrix | dense values]`, the second every matrix's Q.
     fn compressed_power(
         &self,
         grad: &mut [f32],
         state: &mut GradientCompressor,
     ) -> Result<(Stats, CompressedPath, u64), Error> {
-        let CodecSpec::PowerSgd { rank } = state.config.codec else {
+        let Some(plan) = state.power.as_ref() else {
             return Err(internal(format!(
-                "{} on the PowerSGD path",
+                "{} on the PowerSGD path without a plan",
                 state.config.codec
             )));
         };
-        let len = grad.len();
-        let (rows, cols, r) = matrix_shape(len, None, rank);
+        let plan_error = |e| internal(format!("PowerSGD plan: {e}"));
         // The residual, exactly as error feedback forms it: clipped gradient plus decayed error.
         let grad_norm = l2_norm(grad);
         let scale = clip_scale(state.config.local_clip(), grad_norm);
@@ -442,34 +440,31 @@ impl Communicator {
         }
         let residual_norm = l2_norm(m);
         let q0 = match state.warm_q.take() {
-            Some(q) if q.len() == cols * r => q,
-            _ => initial_q(state.config.seed, state.step, cols, r),
+            Some(q) if q.len() == plan.q_len() => q,
+            _ => plan.initial_q(state.config.seed, state.step),
         };
-        let mut p = vec![0.0f32; rows * r];
-        multiply(m, cols, &q0, r, &mut p);
-        self.all_reduce_in_place(&mut p, ReduceOp::Sum)?;
-        let mut sent = self.all_reduce_sent(p.len(), DType::F32);
-        orthogonalize(&mut p, r, 0.0);
+        let (pl, dl) = (plan.p_len(), plan.dense_len());
+        let mut first = braid_core::alloc::filled(0.0f32, pl + dl, "PowerSGD's P and dense parts")?;
+        let (p, dense) = first.split_at_mut(pl);
+        plan.multiply(m, &q0, p).map_err(plan_error)?;
+        plan.dense(m, dense).map_err(plan_error)?;
+        self.all_reduce_in_place(&mut first, ReduceOp::Sum)?;
+        let mut sent = self.all_reduce_sent(first.len(), DType::F32);
+        let (p, dense_sum) = first.split_at_mut(pl);
+        plan.orthogonalize(p, 0.0).map_err(plan_error)?;
         let mut q = q0;
-        multiply_transposed(m, cols, &p, r, &mut q);
+        plan.multiply_transposed(m, p, &mut q).map_err(plan_error)?;
         let mut q_sum = q.clone();
-        self.all_reduce_in_place(&mut q_sum, ReduceOp::Sum)?;
-        sent += self.all_reduce_sent(q_sum.len(), DType::F32);
-        let shape = |p: Vec<f32>, q: Vec<f32>| {
-            Compressed::new(
-                len,
-                Payload::LowRank {
-                    rows: rows as u32,
-                    cols: cols as u32,
-                    rank: r as u32,
-                    p,
-                    q,
-                },
-            )
-            .map_err(codec_error)
-        };
-        // This rank's share of the approximation, P·(Mᵀ·P)ᵀ, is what leaves its error buffer.
-        let local = shape(p.clone(), q)?;
+        // Every rank has the same plan, so all skip the Q all-reduce when nothing is factorised.
+        if !q_sum.is_empty() {
+            self.all_reduce_in_place(&mut q_sum, ReduceOp::Sum)?;
+            sent += self.all_reduce_sent(q_sum.len(), DType::F32);
+        }
+        // This rank's share of the approximation, P·(Mᵀ·P)ᵀ and its own dense values, is what leaves
+        // its error buffer (the dense parts leave it entirely).
+        let mut dense_local = braid_core::alloc::filled(0.0f32, dl, "PowerSGD's dense parts")?;
+        plan.dense(m, &mut dense_local).map_err(plan_error)?;
+        let local = plan.compressed(p, &q, &dense_local).map_err(codec_error)?;
         let wire_bytes = local.wire_bytes();
         local.decompress(grad).map_err(codec_error)?;
         for (e, &u) in m.iter_mut().zip(grad.iter()) {
@@ -482,8 +477,8 @@ impl Communicator {
             (grad_norm, scale, residual_norm, error_norm),
             wire_bytes,
         )?;
-        shape(p, q_sum.clone())?
-            .decompress(grad)
+        plan.compressed(p, &q_sum, dense_sum)
+            .and_then(|sum| sum.decompress(grad))
             .map_err(codec_error)?;
         state.warm_q = Some(q_sum);
         Ok((stats, CompressedPath::PowerIteration, sent))
