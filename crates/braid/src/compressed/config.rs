@@ -17,7 +17,7 @@ const OPTIONS: &str =
 /// Density a warm-up starts from when the text gives none (Deep Gradient Compression's 25%).
 pub const DEFAULT_WARMUP_START: f32 = 0.25;
 
-/// `CODEC[/OPTION]...`: the codec in [`CodecSpec`]'s text form, then options separated by `/`, each at
+/// `CODEC[/OPTION]...`: the codec in [`CodecSpec`](crate::CodecSpec)'s text form, then options separated by `/`, each at
 /// most once:
 ///
 /// | option | meaning |

@@ -390,7 +390,7 @@ pub enum CompressedPath {
     TwoPhase,
 }
 
-/// What one [`Communicator::all_reduce_compressed`] call did.
+/// What one [`Communicator::all_reduce_compressed`](crate::Communicator::all_reduce_compressed) call did.
 #[derive(Clone, Debug)]
 pub struct CompressedReport {
     /// The local compression step's statistics (norms, compression error, achieved density, wire bytes,
