@@ -50,7 +50,7 @@ pub enum Error {
     Aborted {
         /// The rank reporting.
         rank: usize,
-        /// Empty, or " during <collective> #<seq>".
+        /// Empty, or `" during <collective> #<seq>"`.
         during: String,
     },
     /// Peers disagree about what is being run (different collectives, counts or dtypes).
