@@ -54,7 +54,8 @@ pub enum Optimizer {
     },
     /// `m = β1·m + (1−β1)·g; v = β2·v + (1−β2)·g²; p −= lr·m̂ / (√v̂ + ε)` with bias-corrected `m̂`, `v̂`.
     /// Given the first moment instead of the gradient (Adam-safe compression, [`Output::Momentum`]), it
-    /// takes `m` as given, keeps `v` (and its bias correction) frozen, and steps `p −= lr·m / (√v̂ + ε)`.
+    /// takes `m` as given, keeps `v` (and its bias correction) frozen, and steps
+    /// `p −= lr·m / (√max(v̂, m²) + ε)`: the floor bounds every step by `lr`, as Adam's own steps are.
     Adam {
         lr: f32,
         beta1: f32,
@@ -134,13 +135,17 @@ impl Optimizer {
             } => {
                 assert!(params.len() == m.len() && grad.len() == m.len());
                 if output == Output::Momentum {
-                    // The second moment (and its bias correction) stays as the warm-up left it.
+                    // The second moment (and its bias correction) stays as the warm-up left it, floored
+                    // by the moment's square: a parameter whose gradient was zero through the warm-up
+                    // (a dead unit) has v ≈ 0, and m / √v would throw it arbitrarily far; with the floor
+                    // no step exceeds lr, as no Adam step does.
                     let c2 = 1.0 - beta2.powi((*t).max(1));
                     for (((p, m), v), &g) in
                         params.iter_mut().zip(m.iter_mut()).zip(v.iter()).zip(grad)
                     {
                         *m = g;
-                        *p -= *lr * g / ((*v / c2).sqrt() + *eps);
+                        let vh = (*v / c2).max(g * g);
+                        *p -= *lr * g / (vh.sqrt() + *eps);
                     }
                     return;
                 }
@@ -237,8 +242,9 @@ mod tests {
         let after_one = p[0] as f64;
         opt.step_with(&mut p, &[0.5], Output::Momentum);
         assert!(close(p[0], after_one - 0.025), "{p:?}");
+        // A moment far above √v̂ moves the parameter by lr at most (the floor), not by lr·m/√v̂.
         opt.step_with(&mut p, &[100.0], Output::Momentum);
-        assert!(close(p[0], after_one - 0.025 - 5.0), "{p:?}");
+        assert!(close(p[0], after_one - 0.025 - 0.1), "{p:?}");
         let Optimizer::Adam { v, m, t, .. } = &opt else {
             unreachable!()
         };

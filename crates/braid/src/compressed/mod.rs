@@ -306,8 +306,10 @@ pub enum ClipScope {
 ///   `m ← β1·m + (1−β1)·ĝ` (best for top-k, where a sparse moment would lose every unsent coordinate's
 ///   momentum). Either way `m` is the same on every rank, and the call returns it in the gradient buffer
 ///   with [`Output::Momentum`] in its report; the caller **freezes its second moment `v` at its value
-///   after the warm-up** and steps `x ← x − lr·m / (√v̂ + ε)` (`v̂` with the bias correction of the last
-///   warm-up step; `m` needs none past the warm-up).
+///   after the warm-up** and steps `x ← x − lr·m / (√max(v̂, m²) + ε)` (`v̂` with the bias correction of
+///   the last warm-up step; `m` needs none past the warm-up). The floor `m²` keeps a parameter whose
+///   gradient was zero through the warm-up (`v̂ ≈ 0`) from being thrown arbitrarily far: no step then
+///   exceeds `lr`, as no Adam step does.
 ///
 /// The op must be [`ReduceOp::Avg`](crate::ReduceOp::Avg).
 #[derive(Clone, Copy, Debug, PartialEq)]
