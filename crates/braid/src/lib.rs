@@ -36,7 +36,7 @@ pub use braid_core::{Config, DType, DebugLevel, Element, Error, ReduceOp, Result
 pub use braid_topo;
 pub use comm::Communicator;
 pub use compressed::{
-    CodecSpec, CompressedPath, CompressedReport, CompressionConfig, GradientCompressor,
+    CodecSpec, CompressedPath, CompressedReport, CompressionConfig, GradientCompressor, SparsePath,
 };
 pub use id::UniqueId;
 pub use job::JobEnv;

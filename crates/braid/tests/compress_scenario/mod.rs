@@ -3,9 +3,11 @@
 //! and panics with a message naming the case when a check fails; it returns the number of checks made.
 #![allow(dead_code)]
 
-use braid::braid_compress::{l2_norm, Codec, ErrorFeedback, ThresholdTopK, TopK};
+use braid::braid_compress::{k_for_density, l2_norm, Codec, ErrorFeedback, ThresholdTopK, TopK};
+use braid::compressed::sparse_model::{self, SparseRoute};
 use braid::{
-    CodecSpec, Communicator, CompressedPath, CompressionConfig, DType, GradientCompressor, ReduceOp,
+    CodecSpec, Communicator, CompressedPath, CompressionConfig, DType, GradientCompressor,
+    ReduceOp, SparsePath,
 };
 
 /// Elements per tensor: odd, and not a multiple of any block size used below.
@@ -130,17 +132,45 @@ pub fn cases() -> Vec<CompressionConfig> {
     .into_iter()
     .map(config)
     .collect();
-    // Density 1 with the switch off: the sparse all-gather of everything.
+    // Density 1 with the switch off: the sparse all-gather (or reduce-scatter) of everything.
     v.push(CompressionConfig {
+        dense_switch: f64::INFINITY,
+        ..config(CodecSpec::TopK { density: 1.0 })
+    });
+    // Each sparse way forced, whatever the traffic model would pick for the world at hand.
+    for (path, codec) in [
+        (SparsePath::AllGather, CodecSpec::TopK { density: 0.1 }),
+        (SparsePath::ReduceScatter, CodecSpec::TopK { density: 0.1 }),
+        (
+            SparsePath::ReduceScatter,
+            CodecSpec::ThresholdTopK { density: 0.05 },
+        ),
+    ] {
+        v.push(CompressionConfig {
+            sparse_path: path,
+            ..config(codec)
+        });
+    }
+    v.push(CompressionConfig {
+        sparse_path: SparsePath::ReduceScatter,
         dense_switch: f64::INFINITY,
         ..config(CodecSpec::TopK { density: 1.0 })
     });
     v
 }
 
-/// The sum of `k` elements per rank exceeds the switch.
-fn switches(cfg: &CompressionConfig, world: usize, k: usize) -> bool {
-    (world * k) as f64 > cfg.dense_switch * LEN as f64
+/// The path top-k takes when every one of `world` ranks selects `k` pairs.
+fn sparse_path(cfg: &CompressionConfig, world: usize, k: usize) -> CompressedPath {
+    match sparse_model::choose(
+        cfg.sparse_path,
+        LEN,
+        &vec![k as u64; world],
+        cfg.dense_switch,
+    ) {
+        SparseRoute::AllGather => CompressedPath::SparseAllGather,
+        SparseRoute::ReduceScatter => CompressedPath::SparseReduceScatter,
+        SparseRoute::Dense => CompressedPath::SparseDenseSwitch,
+    }
 }
 
 /// Every case, both ops, [`STEPS`] calls each: results bit-identical on every rank, Avg equal to Sum
@@ -151,7 +181,10 @@ pub fn every_codec(c: &Communicator) -> usize {
     let mut checks = 0;
     for cfg in cases() {
         let spec = cfg.codec;
-        let what = format!("{spec} (dense switch {})", cfg.dense_switch);
+        let what = format!(
+            "{spec} (dense switch {}, sparse path {})",
+            cfg.dense_switch, cfg.sparse_path
+        );
         let mut sum_state = GradientCompressor::new(cfg.clone(), LEN).unwrap();
         let mut avg_state = GradientCompressor::new(cfg.clone(), LEN).unwrap();
         let exact_inputs = cfg.dense_switch.is_infinite();
@@ -200,7 +233,11 @@ pub fn every_codec(c: &Communicator) -> usize {
             // be the direct one, which sends more than a ring.)
             let saves = match spec {
                 CodecSpec::TopK { density } | CodecSpec::ThresholdTopK { density } => {
-                    density <= 0.1 && rep.path == CompressedPath::SparseAllGather
+                    density <= 0.1
+                        && matches!(
+                            rep.path,
+                            CompressedPath::SparseAllGather | CompressedPath::SparseReduceScatter
+                        )
                 }
                 CodecSpec::Int8 { .. } | CodecSpec::Sign { .. } | CodecSpec::PowerSgd { .. } => {
                     true
@@ -224,11 +261,7 @@ pub fn every_codec(c: &Communicator) -> usize {
                 CodecSpec::Dense => Some(CompressedPath::Dense),
                 CodecSpec::TopK { density } => {
                     let k = ((density as f64 * LEN as f64).round() as usize).clamp(1, LEN);
-                    Some(if switches(&cfg, n, k) {
-                        CompressedPath::SparseDenseSwitch
-                    } else {
-                        CompressedPath::SparseAllGather
-                    })
+                    Some(sparse_path(&cfg, n, k))
                 }
                 CodecSpec::ThresholdTopK { .. } => None,
                 CodecSpec::RandomK { .. } | CodecSpec::Fp16 | CodecSpec::Bf16 => {
@@ -242,7 +275,9 @@ pub fn every_codec(c: &Communicator) -> usize {
                 None => assert!(
                     matches!(
                         rep.path,
-                        CompressedPath::SparseAllGather | CompressedPath::SparseDenseSwitch
+                        CompressedPath::SparseAllGather
+                            | CompressedPath::SparseDenseSwitch
+                            | CompressedPath::SparseReduceScatter
                     ),
                     "{what}: {:?}",
                     rep.path
@@ -282,7 +317,29 @@ pub fn every_codec(c: &Communicator) -> usize {
                     )),
                     _ => None,
                 };
-                if let Some(u) = local {
+                if let (Some(u), CompressedPath::SparseReduceScatter) = (&local, rep.path) {
+                    // Each range's owner kept part of the rank-ordered sum of its range, exactly (no
+                    // error has accumulated yet), about k pairs in all.
+                    let want = ordered_sum(&gather(c, u));
+                    let kept = x.iter().filter(|v| **v != 0.0).count();
+                    // Pairs selected per rank: top-k's k (zeros included), threshold top-k's non-zeros.
+                    let k = match spec {
+                        CodecSpec::TopK { density } => Some(k_for_density(LEN, density)),
+                        _ => gather(c, u)
+                            .iter()
+                            .map(|u| u.iter().filter(|v| **v != 0.0).count())
+                            .max(),
+                    };
+                    assert!(
+                        x.iter().zip(&want).all(|(a, b)| *a == 0.0 || a == b),
+                        "{what}: kept values differ from the sum of the local updates"
+                    );
+                    assert!(
+                        kept <= k.unwrap_or(0) + n,
+                        "{what}: kept {kept} pairs, selected {k:?} per rank"
+                    );
+                    checks += 1;
+                } else if let Some(u) = local {
                     let want = if rep.path == CompressedPath::SparseAllGather {
                         ordered_sum(&gather(c, &u))
                     } else {
@@ -326,8 +383,9 @@ pub fn every_codec(c: &Communicator) -> usize {
             for e in gather(c, sum_state.error()) {
                 left.iter_mut().zip(&e).for_each(|(l, v)| *l += *v as f64);
             }
-            if matches!(spec, CodecSpec::Int8 { .. } | CodecSpec::Sign { .. }) {
-                let shards = gather_concat(c, sum_state.shard_error());
+            let shards = gather_concat(c, sum_state.shard_error());
+            if matches!(spec, CodecSpec::Int8 { .. } | CodecSpec::Sign { .. }) || !shards.is_empty()
+            {
                 assert_eq!(
                     shards.len(),
                     LEN,
