@@ -162,12 +162,19 @@ fn simulated_step(ranks: &mut [Rank], grads: &[Vec<f32>], k: usize) -> Step {
     let counts = u64s(&outs[0]);
     assert!(outs.iter().all(|o| u64s(o) == counts));
     // Routes and fingerprints, all-to-all.
-    let routes: Vec<Vec<Range<usize>>> = (0..n).map(|r| ranks[r].partition.route(&sel[r].0)).collect();
-    let plans: Vec<_> = (0..n).map(|r| direct::all_to_all(n, r, 16, CHUNK)).collect();
+    let routes: Vec<Vec<Range<usize>>> = (0..n)
+        .map(|r| ranks[r].partition.route(&sel[r].0))
+        .collect();
+    let plans: Vec<_> = (0..n)
+        .map(|r| direct::all_to_all(n, r, 16, CHUNK))
+        .collect();
     let ins: Vec<_> = (0..n)
         .map(|r| {
             let fp = ranks[r].partition.fingerprint();
-            le(&routes[r].iter().flat_map(|x| [x.len() as u64, fp]).collect::<Vec<_>>())
+            le(&routes[r]
+                .iter()
+                .flat_map(|x| [x.len() as u64, fp])
+                .collect::<Vec<_>>())
         })
         .collect();
     let (outs, sent) = exchange(&plans, &ins, 16 * n);
@@ -175,7 +182,9 @@ fn simulated_step(ranks: &mut [Rank], grads: &[Vec<f32>], k: usize) -> Step {
     let incoming: Vec<Vec<u64>> = (0..n)
         .map(|r| {
             let h = u64s(&outs[r]);
-            assert!(h.chunks(2).all(|c| c[1] == ranks[r].partition.fingerprint()));
+            assert!(h
+                .chunks(2)
+                .all(|c| c[1] == ranks[r].partition.fingerprint()));
             h.chunks(2).map(|c| c[0]).collect()
         })
         .collect();
@@ -215,7 +224,11 @@ fn simulated_step(ranks: &mut [Rank], grads: &[Vec<f32>], k: usize) -> Step {
             let h = rank.partition.histogram(r, got.iter().map(|p| p.0 as u32));
             hist.iter_mut().zip(h).for_each(|(a, x)| *a += x);
         }
-        let residual: Vec<f32> = sum.iter().zip(&rank.server).map(|(s, e)| s + 1.0 * e).collect();
+        let residual: Vec<f32> = sum
+            .iter()
+            .zip(&rank.server)
+            .map(|(s, e)| s + 1.0 * e)
+            .collect();
         let q = quota(incoming[r].iter().sum(), n, own.len());
         let keep = top_k(&residual, q as usize);
         let val: Vec<f32> = keep.iter().map(|&i| residual[i as usize]).collect();
@@ -279,7 +292,13 @@ fn simulated_step(ranks: &mut [Rank], grads: &[Vec<f32>], k: usize) -> Step {
         rank.server = server;
         rank.partition = next;
     }
-    let loads = (0..n).map(|j| histogram[j * HISTOGRAM_BUCKETS..][..HISTOGRAM_BUCKETS].iter().sum()).collect();
+    let loads = (0..n)
+        .map(|j| {
+            histogram[j * HISTOGRAM_BUCKETS..][..HISTOGRAM_BUCKETS]
+                .iter()
+                .sum()
+        })
+        .collect();
     Step {
         result,
         bytes,
@@ -320,7 +339,12 @@ fn reference_step(re: &mut Reference, grads: &[Vec<f32>], k: usize) -> Vec<f32> 
             })
             .sum();
         for s in re.partition.sub_ranges(j) {
-            histogram.push(updates.iter().map(|u| u[s.clone()].iter().filter(|x| **x != 0.0).count() as u64).sum());
+            histogram.push(
+                updates
+                    .iter()
+                    .map(|u| u[s.clone()].iter().filter(|x| **x != 0.0).count() as u64)
+                    .sum(),
+            );
         }
         let residual: Vec<f32> = own.clone().map(|i| sum[i] + 1.0 * re.server[i]).collect();
         for i in top_k(&residual, quota(load, n, own.len()) as usize) {
@@ -347,7 +371,11 @@ fn all_gather_way(sel: &[(Vec<u32>, Vec<f32>)], len: usize) -> (Vec<Vec<f32>>, V
     let n = sel.len();
     let counts: Vec<u64> = sel.iter().map(|s| s.0.len() as u64).collect();
     let plans: Vec<_> = (0..n).map(|r| direct::all_gather(n, r, 8, CHUNK)).collect();
-    let (_, sent) = exchange(&plans, &counts.iter().map(|c| le(&[*c])).collect::<Vec<_>>(), 8 * n);
+    let (_, sent) = exchange(
+        &plans,
+        &counts.iter().map(|c| le(&[*c])).collect::<Vec<_>>(),
+        8 * n,
+    );
     let most = *counts.iter().max().unwrap() as usize;
     let block = GATHER_HEADER_BYTES as usize + 8 * most;
     let ins: Vec<Vec<u8>> = sel
@@ -359,7 +387,9 @@ fn all_gather_way(sel: &[(Vec<u32>, Vec<f32>)], len: usize) -> (Vec<Vec<f32>>, V
             b
         })
         .collect();
-    let plans: Vec<_> = (0..n).map(|r| ring::all_gather(n, r, block, CHUNK)).collect();
+    let plans: Vec<_> = (0..n)
+        .map(|r| ring::all_gather(n, r, block, CHUNK))
+        .collect();
     let (outs, sent2) = exchange(&plans, &ins, block * n);
     let results = outs
         .iter()
@@ -374,7 +404,13 @@ fn all_gather_way(sel: &[(Vec<u32>, Vec<f32>)], len: usize) -> (Vec<Vec<f32>>, V
             x
         })
         .collect();
-    (results, sent.iter().zip(sent2).map(|(a, b)| (a + b) as u64).collect())
+    (
+        results,
+        sent.iter()
+            .zip(sent2)
+            .map(|(a, b)| (a + b) as u64)
+            .collect(),
+    )
 }
 
 #[test]
@@ -385,7 +421,10 @@ fn reduce_scatter_way_on_4_16_and_64_ranks() {
         "# bytes per rank (the busiest), {len} f32 elements, top-k at 10% (k = {k}), simulated, \
          third step (partition balanced by the load histogram)"
     );
-    println!("# {:>5} {:>14} {:>16} {:>14} {:>12}", "ranks", "all-gather", "reduce-scatter", "dense ring", "rs / dense");
+    println!(
+        "# {:>5} {:>14} {:>16} {:>14} {:>12}",
+        "ranks", "all-gather", "reduce-scatter", "dense ring", "rs / dense"
+    );
     for n in [4, 16, 64] {
         let mut ranks: Vec<Rank> = (0..n)
             .map(|r| {
@@ -427,24 +466,41 @@ fn reduce_scatter_way_on_4_16_and_64_ranks() {
                     "{n} ranks, step {step}: rank {r} differs from the reference"
                 );
             }
-            assert_eq!(s.bytes, s.want_bytes, "{n} ranks, step {step}: bytes per rank");
+            assert_eq!(
+                s.bytes, s.want_bytes,
+                "{n} ranks, step {step}: bytes per rank"
+            );
             assert!(s.counts.iter().all(|c| *c == k as u64));
             let kept = want.iter().filter(|x| **x != 0.0).count();
-            assert!(kept <= k + n && kept >= k - n, "{n} ranks: kept {kept} of k = {k}");
+            assert!(
+                kept <= k + n && kept >= k - n,
+                "{n} ranks: kept {kept} of k = {k}"
+            );
             // The second buffers and the local ones hold what was not applied.
             for (j, g) in grads.iter().flat_map(|g| g.iter().enumerate()) {
                 given[j] += *g as f64;
             }
-            want.iter().enumerate().for_each(|(j, x)| applied[j] += *x as f64);
+            want.iter()
+                .enumerate()
+                .for_each(|(j, x)| applied[j] += *x as f64);
             let mut left = vec![0.0f64; len];
             for (r, rank) in ranks.iter().enumerate() {
-                rank.error.iter().enumerate().for_each(|(j, e)| left[j] += *e as f64);
+                rank.error
+                    .iter()
+                    .enumerate()
+                    .for_each(|(j, e)| left[j] += *e as f64);
                 let own = rank.partition.range(r);
-                rank.server.iter().zip(own).for_each(|(e, j)| left[j] += *e as f64);
+                rank.server
+                    .iter()
+                    .zip(own)
+                    .for_each(|(e, j)| left[j] += *e as f64);
             }
             for j in 0..len {
                 let d = (applied[j] + left[j] - given[j]).abs();
-                assert!(d <= 1e-3 * (1.0 + given[j].abs()), "{n} ranks, step {step}: mass at {j} off by {d}");
+                assert!(
+                    d <= 1e-3 * (1.0 + given[j].abs()),
+                    "{n} ranks, step {step}: mass at {j} off by {d}"
+                );
             }
             let mean = s.loads.iter().sum::<u64>() as f64 / n as f64;
             imbalance.push(*s.loads.iter().max().unwrap() as f64 / mean);
@@ -456,16 +512,25 @@ fn reduce_scatter_way_on_4_16_and_64_ranks() {
                     exact[i as usize] += v;
                 }
             }
-            assert!(gathered.iter().all(|x| x == &exact), "{n} ranks: the all-gather way's sum");
+            assert!(
+                gathered.iter().all(|x| x == &exact),
+                "{n} ranks: the all-gather way's sum"
+            );
             let counts = vec![k as u64; n];
-            assert!(ag_bytes.iter().all(|b| *b == all_gather_bytes(&counts)), "{n} ranks: {ag_bytes:?}");
+            assert!(
+                ag_bytes.iter().all(|b| *b == all_gather_bytes(&counts)),
+                "{n} ranks: {ag_bytes:?}"
+            );
             assert_eq!(
                 all_gather_bytes(&counts),
                 (n as u64 - 1) * (COUNT_BYTES + GATHER_HEADER_BYTES + PAIR_BYTES * k as u64)
             );
             if step == 2 {
                 let dense = dense_ring(&grads);
-                assert!(dense.iter().all(|b| *b == dense_ring_bytes(n, len)), "{n} ranks: {dense:?}");
+                assert!(
+                    dense.iter().all(|b| *b == dense_ring_bytes(n, len)),
+                    "{n} ranks: {dense:?}"
+                );
                 let rs = *s.bytes.iter().max().unwrap();
                 println!(
                     "  {n:>5} {:>14} {:>16} {:>14} {:>11.3}",
@@ -492,8 +557,13 @@ fn reduce_scatter_way_on_4_16_and_64_ranks() {
 fn dense_ring(grads: &[Vec<f32>]) -> Vec<u64> {
     let n = grads.len();
     let len = grads[0].len();
-    let ins: Vec<Vec<u8>> = grads.iter().map(|g| g.iter().flat_map(|x| x.to_ne_bytes()).collect()).collect();
-    let plans: Vec<_> = (0..n).map(|r| ring::all_reduce(n, r, len, CHUNK / 4)).collect();
+    let ins: Vec<Vec<u8>> = grads
+        .iter()
+        .map(|g| g.iter().flat_map(|x| x.to_ne_bytes()).collect())
+        .collect();
+    let plans: Vec<_> = (0..n)
+        .map(|r| ring::all_reduce(n, r, len, CHUNK / 4))
+        .collect();
     let o = sim::run(&plans, DType::F32, ReduceOp::Sum, &ins, len, 2).unwrap();
     assert!(o.outputs.iter().all(|x| x == &o.outputs[0]));
     o.bytes_sent.iter().map(|b| *b as u64).collect()
@@ -553,7 +623,9 @@ fn a_receiver_expecting_another_size_is_a_mismatch() {
     let ins = [vec![1; 5], vec![]];
     let report = sim::simulate(&sim::Job::new(&p, DType::U8, ReduceOp::Sum, &ins, 5, 1)).unwrap();
     match &report.results[1] {
-        Some(Err(braid_core::Error::Mismatch { peer: 0, detail, .. })) => assert!(
+        Some(Err(braid_core::Error::Mismatch {
+            peer: 0, detail, ..
+        })) => assert!(
             detail.contains("received 5 bytes where 3 were expected"),
             "{detail}"
         ),
