@@ -29,7 +29,8 @@
 //! sends the counts along with its quota, so after every reduce-scatter step all ranks hold the same
 //! `n · HISTOGRAM_BUCKETS`-bucket histogram of where the selected indices fell, at no extra message.
 //! [`Partition::rebalance`] turns it into the next step's ranges with integer arithmetic only, so every
-//! rank computes the same boundaries: it cuts the cumulative weight `7·len·H(x) + W·x` into `n` equal
+//! rank computes the same boundaries. While the busiest range received at most [`REBALANCE_AT`] (5/4)
+//! of the mean load, the partition stays; otherwise [`Partition::balanced`] cuts the cumulative weight `7·len·H(x) + W·x` into `n` equal
 //! parts (`H` the histogram's cumulative count, linear within a bucket, `W` its total), so seven eighths
 //! of the weight follow the observed load and one eighth is spread evenly, which keeps every range
 //! shorter than about `8·len/n` however concentrated the load. The first step, and any step after a
@@ -81,6 +82,10 @@ pub const ROUTE_BYTES: u64 = 16;
 pub const HISTOGRAM_BUCKETS: usize = 8;
 /// Bytes per peer of the load exchange: the quota and the histogram, u64 each.
 pub const LOAD_BYTES: u64 = 8 * (1 + HISTOGRAM_BUCKETS as u64);
+/// [`Partition::rebalance`] keeps a partition whose busiest range received at most this fraction
+/// (5/4) of the mean load. Above what a balanced partition leaves (the evenly spread eighth allows
+/// about 8/7), so a balanced partition stays put.
+pub const REBALANCE_AT: (u128, u128) = (5, 4);
 
 /// Which way top-k's pairs may go (the configuration's choice; `BRAID_COMPRESS_SPARSE`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -278,12 +283,34 @@ impl Partition {
         h
     }
 
-    /// The next step's partition, from the load this one received: `load` holds
-    /// [`HISTOGRAM_BUCKETS`] counts per range, rank-major (what every rank holds after a reduce-scatter
-    /// step). Integer arithmetic only, so every rank computes the same boundaries; see the
-    /// [module documentation](self) for the rule. A histogram of the wrong size, or one without load,
-    /// gives [`Partition::even`].
+    /// The next step's partition, from the load this one received (`load` as for
+    /// [`balanced`](Self::balanced)): this one while its busiest range received at most
+    /// [`REBALANCE_AT`] times the mean load, else the balanced one. Keeping a partition that is good
+    /// enough keeps each second error buffer with its owner and spares moving it.
     pub fn rebalance(&self, load: &[u64]) -> Partition {
+        let n = self.ranks();
+        if load.len() == n * HISTOGRAM_BUCKETS {
+            let per: Vec<u128> = load
+                .chunks(HISTOGRAM_BUCKETS)
+                .map(|h| h.iter().map(|&x| x as u128).sum())
+                .collect();
+            let (most, total) = (
+                per.iter().copied().max().unwrap_or(0),
+                per.iter().sum::<u128>(),
+            );
+            let (num, den) = REBALANCE_AT;
+            if total > 0 && most * n as u128 * den <= total * num {
+                return self.clone();
+            }
+        }
+        self.balanced(load)
+    }
+
+    /// The partition that evens out `load`, the counts this one's ranges received: [`HISTOGRAM_BUCKETS`]
+    /// per range, rank-major (what every rank holds after a reduce-scatter step). Integer arithmetic
+    /// only, so every rank computes the same boundaries; see the [module documentation](self) for the
+    /// rule. A histogram of the wrong size, or one without load, gives [`Partition::even`].
+    pub fn balanced(&self, load: &[u64]) -> Partition {
         let (n, len) = (self.ranks(), self.len());
         if load.len() != n * HISTOGRAM_BUCKETS || n == 1 {
             return Partition::even(len, n);
@@ -506,16 +533,25 @@ mod tests {
         let p = Partition::even(8000, 4);
         let mut load = vec![0u64; 4 * HISTOGRAM_BUCKETS];
         load[0] = 1000;
-        let q = p.rebalance(&load);
+        let q = p.balanced(&load);
+        assert_eq!(p.rebalance(&load), q);
         // Weight: 7·8000·1000 in 0..250, 1000 per element everywhere; total 8·1000·8000, a quarter
         // is 16e6: the first cut at 16e6 / (7·8000·1000/250 + 1000) = 16e6 / 225000 → 71.
         assert_eq!(q.bounds(), &[0, 71, 142, 213, 8000]);
         // No load, or a histogram of the wrong size: even.
-        assert_eq!(p.rebalance(&vec![0; 32]), p);
-        assert_eq!(p.rebalance(&[1, 2, 3]), p);
+        assert_eq!(p.balanced(&vec![0; 32]), p);
+        assert_eq!(p.balanced(&[1, 2, 3]), p);
+        assert_eq!(q.rebalance(&[1, 2, 3]), p);
         // Uniform load: even (up to rounding).
-        let q = p.rebalance(&vec![5; 32]);
-        assert_eq!(q, p);
+        assert_eq!(p.balanced(&vec![5; 32]), p);
+        // Load within a quarter of the mean on every range: the partition stays, even if another
+        // would be better; beyond, it moves.
+        let mut skewed = vec![5u64; 32];
+        skewed[0] = 15; // range 0: 50 of a mean of 42.5
+        assert_eq!(q.rebalance(&skewed), q);
+        assert_ne!(q.balanced(&skewed), q);
+        skewed[0] = 30; // range 0: 65, over 5/4 of the mean 46.25
+        assert_eq!(q.rebalance(&skewed), q.balanced(&skewed));
     }
 
     proptest! {
@@ -538,12 +574,14 @@ mod tests {
             for (h, s) in load.iter_mut().zip(&spans) {
                 if s.is_empty() { *h = 0; }
             }
-            let q = p.rebalance(&load);
+            let q = p.balanced(&load);
+            let kept = p.rebalance(&load);
+            prop_assert!(kept == q || kept == p);
             prop_assert_eq!(q.ranks(), n);
             prop_assert_eq!(q.len(), len);
             prop_assert!(Partition::from_bounds(q.bounds().to_vec()).is_ok());
             // Deterministic.
-            prop_assert_eq!(&q, &p.rebalance(&load));
+            prop_assert_eq!(&q, &p.balanced(&load));
             // Every cut within one element's weight of its target (f64, so with slack).
             let raw: u128 = load.iter().map(|&h| h as u128).sum();
             let shift = (128 - raw.leading_zeros()).saturating_sub(32);

@@ -7,7 +7,7 @@
 //! (the index arithmetic, the wire layout and the traffic are `braid_sched::sparse`'s):
 //!
 //! 1. every rank routes its ascending indices by this step's [`Partition`] (the same on every rank:
-//!    rebuilt after each step from the load histogram all ranks received) and tells each owner how many
+//!    rebalanced after a step when the load histogram all ranks received is uneven) and tells each owner how many
 //!    pairs it will send, with the partition's fingerprint, so a rank cut differently is a mismatch;
 //! 2. the pairs go to their owners (an all-to-all of blocks of any size);
 //! 3. the owner checks each block (ascending indices inside its range), sums them in rank order, adds its
