@@ -23,12 +23,12 @@
 
 use std::ops::Range;
 
-use braid_compress::{top_k, Codec, Compressed, ErrorFeedback, Payload, Stats, Transport};
+use braid_compress::{top_k, Compressed, Payload, Stats};
 use braid_core::{DType, Error};
 use braid_sched::sparse::{quota, Partition, HISTOGRAM_BUCKETS, PAIR_BYTES};
 
 use super::paths::{internal, ranks_times};
-use super::{codec_error, CompressedPath, GradientCompressor};
+use super::{CompressedPath, GradientCompressor};
 use crate::exec::{Blocks, Kind, Op};
 use crate::Communicator;
 
@@ -40,30 +40,46 @@ pub(super) struct RangeState {
     /// The partition of the next step (identical on every rank).
     partition: Partition,
     /// The second error buffer of this rank's range, `partition.range(rank)`.
-    ef: ErrorFeedback,
+    error: Vec<f32>,
+    /// Where the range's pairs are summed (zero between steps), as long as the range.
+    sum: Vec<f32>,
+    /// Weight of the remembered error, as the local error buffer's (0 without error feedback).
+    decay: f32,
 }
 
 impl RangeState {
     /// The second error buffer of this rank's range.
     pub(super) fn error(&self) -> &[f32] {
-        &self.ef.error
-    }
-}
-
-/// The owner's re-selection: exactly `k` elements of largest magnitude ([`top_k`]).
-struct Keep(usize);
-
-impl Codec for Keep {
-    fn name(&self) -> String {
-        format!("top-k(k={})", self.0)
+        &self.error
     }
 
-    fn transport(&self) -> Transport {
-        Transport::Gather
+    /// Buffers for a range of `len` elements.
+    fn buffers(len: usize) -> Result<(Vec<f32>, Vec<f32>), Error> {
+        Ok((
+            braid_core::alloc::filled(0f32, len, "the second error buffer of this rank's range")?,
+            braid_core::alloc::filled(0f32, len, "the sum of this rank's range")?,
+        ))
     }
 
-    fn compress(&mut self, grad: &[f32], _step: u64) -> Compressed {
-        top_k(grad, self.0)
+    /// One step of the range's error feedback on the pairs summed into `sum`, the way
+    /// [`ErrorFeedback::step`](braid_compress::ErrorFeedback::step) runs it for the two-phase path's
+    /// shards (residual `sum + decay·error` in separate roundings, then `error = residual − kept`), with
+    /// the exact top-`keep` ([`top_k`]) as the codec: the kept pairs, relative to the range. Only what
+    /// the result needs is computed (no statistics or staleness of the range), in place, and `sum` is
+    /// zero again afterwards.
+    fn keep(&mut self, keep: usize) -> Compressed {
+        let decay = self.decay;
+        for (e, s) in self.error.iter_mut().zip(self.sum.iter_mut()) {
+            *e = if decay == 0.0 { *s } else { *s + decay * *e };
+            *s = 0.0;
+        }
+        let kept = top_k(&self.error, keep);
+        if let Payload::Sparse { indices, values } = kept.payload() {
+            for (&i, &v) in indices.iter().zip(values) {
+                self.error[i as usize] -= v;
+            }
+        }
+        kept
     }
 }
 
@@ -134,16 +150,19 @@ impl GradientCompressor {
         if !fits {
             if let Some(old) = self.sparse.take() {
                 let r = old.partition.range(old.rank);
-                add_into(&mut self.ef.error, r, &old.ef.error);
+                add_into(&mut self.ef.error, r, &old.error);
             }
             let partition = Partition::even(self.len, world);
-            let own = partition.range(rank).len();
-            let ef = GradientCompressor::error_feedback(&self.config, own, None)?;
+            let (error, sum) = RangeState::buffers(partition.range(rank).len())?;
+            // The decay rule of every other error buffer (off without error feedback).
+            let decay = GradientCompressor::error_feedback(&self.config, 0, None)?.decay;
             self.sparse = Some(RangeState {
                 world,
                 rank,
                 partition,
-                ef,
+                error,
+                sum,
+                decay,
             });
         }
         self.sparse
@@ -290,7 +309,15 @@ impl Communicator {
         drop(out);
 
         // 3. Sum the range in rank order, then keep the largest with the range's own error buffer.
-        let mut sum = braid_core::alloc::filled(0f32, own.len(), "the sum of this rank's range")?;
+        let rs = state.range_state(n, me)?;
+        if rs.sum.len() != own.len() || rs.error.len() != own.len() {
+            return Err(internal(format!(
+                "range buffers of {} and {} elements for range {own:?}",
+                rs.sum.len(),
+                rs.error.len()
+            )));
+        }
+        let sum = &mut rs.sum;
         let mut load = [0u64; HISTOGRAM_BUCKETS];
         for (p, b) in recv_blocks.iter().enumerate() {
             let block = &got[b.clone()];
@@ -312,11 +339,7 @@ impl Communicator {
         drop(got);
         let received: u64 = incoming.iter().sum();
         let keep = quota(received, n, own.len());
-        let rs = state.range_state(n, me)?;
-        let (kept, _) = rs
-            .ef
-            .step(&sum, &mut Keep(keep as usize), step)
-            .map_err(codec_error)?;
+        let kept = state.range_state(n, me)?.keep(keep as usize);
         let Payload::Sparse {
             indices: kept_idx,
             values: kept_val,
@@ -387,16 +410,17 @@ impl Communicator {
         let next = part.rebalance(&histogram);
         let new_own = next.range(me);
         if new_own != own {
-            let mut ef = GradientCompressor::error_feedback(&state.config, new_own.len(), None)?;
-            let old = std::mem::take(&mut state.range_state(n, me)?.ef.error);
+            let (mut error, sum) = RangeState::buffers(new_own.len())?;
+            let old = std::mem::take(&mut state.range_state(n, me)?.error);
             for (i, e) in own.clone().zip(&old) {
                 if new_own.contains(&i) {
-                    ef.error[i - new_own.start] = *e;
+                    error[i - new_own.start] = *e;
                 } else {
                     state.ef.error[i] += *e;
                 }
             }
-            state.range_state(n, me)?.ef = ef;
+            let rs = state.range_state(n, me)?;
+            (rs.error, rs.sum) = (error, sum);
         }
         state.range_state(n, me)?.partition = next;
         Ok((stats, CompressedPath::SparseReduceScatter, sent))
