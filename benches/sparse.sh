@@ -7,7 +7,7 @@
 #                                          (defaults: 2 2 1gbit 64M topk:0.1,topk:0.01)
 #
 # Prints each run's table (time, speed-up over dense, the busiest rank's bytes against dense), then the
-# reduce-scatter's time against the all-gather's and dense's for each codec. ITERS rounds (default 5).
+# reduce-scatter's speed against the all-gather's and dense's for each codec (above 1: faster). ITERS rounds (default 5).
 # The namespaced part needs root (tests/netns/hosts.sh); without it only the local run is made. Builds
 # braid in release mode (in $CARGO_TARGET_DIR, default target/).
 set -euo pipefail
@@ -41,8 +41,8 @@ for (codec, path), (t, mib) in rows.items():
     if path != "reducescatter":
         continue
     ag = rows.get((codec, "allgather"))
-    print(f"{codec}: reduce-scatter {t:.1f} ms, {mib:.2f} MiB; vs dense {dense[0] / t:.2f}x faster, "
-          f"{mib / dense[1]:.1%} of its bytes; vs all-gather {ag[0] / t:.2f}x faster, {mib / ag[1]:.1%} of its bytes")
+    print(f"{codec}: reduce-scatter {t:.1f} ms, {mib:.2f} MiB; speed vs dense {dense[0] / t:.2f}x "
+          f"({mib / dense[1]:.1%} of its bytes), vs all-gather {ag[0] / t:.2f}x ({mib / ag[1]:.1%} of its bytes)")
 PY
 }
 
