@@ -591,9 +591,9 @@ proptest! {
         }
         let most = recvs.iter().map(|r| r[world - 1].end).max().unwrap_or(0);
         let o = sim::run(&plans, DType::U8, ReduceOp::Sum, &ins, most, depth).unwrap();
-        for r in 0..world {
-            for i in 0..world {
-                let got = &o.outputs[r][recvs[r][i].clone()];
+        for (r, recv) in recvs.iter().enumerate() {
+            for (i, block) in recv.iter().enumerate() {
+                let got = &o.outputs[r][block.clone()];
                 let want: Vec<u8> = (0..size(i, r)).map(|e| byte(i, r, e)).collect();
                 prop_assert_eq!(got, &want[..], "rank {} from {}", r, i);
             }

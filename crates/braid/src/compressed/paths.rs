@@ -558,7 +558,7 @@ impl Communicator {
 
 /// A zeroed buffer of `n` blocks of `block` bytes (sizes that peers' counts decide): an error, not an
 /// abort, when it is too big.
-pub(super) fn ranks_times(n: usize, block: usize, what: &str) -> Result<Vec<u8>, Error> {
+fn ranks_times(n: usize, block: usize, what: &str) -> Result<Vec<u8>, Error> {
     let total = n
         .checked_mul(block)
         .ok_or_else(|| Error::OutOfMemory(format!("{what}: {n} × {block} bytes overflows")))?;

@@ -7,8 +7,9 @@
 //! (the index arithmetic, the wire layout and the traffic are `braid_sched::sparse`'s):
 //!
 //! 1. every rank routes its ascending indices by this step's [`Partition`] (the same on every rank:
-//!    rebalanced after a step when the load histogram all ranks received is uneven) and tells each owner how many
-//!    pairs it will send, with the partition's fingerprint, so a rank cut differently is a mismatch;
+//!    rebalanced after a step whose load histogram, which all ranks receive, was uneven) and tells each
+//!    owner how many pairs it will send, with the partition's fingerprint, so that a rank that cut the
+//!    index space differently is a mismatch;
 //! 2. the pairs go to their owners (an all-to-all of blocks of any size);
 //! 3. the owner checks each block (ascending indices inside its range), sums them in rank order, adds its
 //!    second error buffer, keeps the [`quota`] largest and remembers the rest, as the two-phase path's
@@ -27,7 +28,7 @@ use braid_compress::{top_k, Compressed, Payload, Stats};
 use braid_core::{DType, Error};
 use braid_sched::sparse::{quota, Partition, HISTOGRAM_BUCKETS, PAIR_BYTES};
 
-use super::paths::{internal, ranks_times};
+use super::paths::internal;
 use super::{CompressedPath, GradientCompressor};
 use crate::exec::{Blocks, Kind, Op};
 use crate::Communicator;
@@ -200,7 +201,10 @@ impl Communicator {
             || send_blocks[me].len() != recv_blocks[me].len()
         {
             return Err(internal(format!(
-                "all-to-all blocks {send_blocks:?} of {} bytes, {recv_blocks:?} of {} bytes",
+                "{} send and {} receive blocks of an all-to-all on {n} ranks do not fit buffers of {} \
+                 and {} bytes",
+                send_blocks.len(),
+                recv_blocks.len(),
                 send.len(),
                 recv.len()
             )));
@@ -383,7 +387,8 @@ impl Communicator {
             quotas.push(l[0]);
             histogram.extend_from_slice(h);
         }
-        let mut mine = ranks_times(1, (PAIR_BYTES * keep) as usize, "the kept sparse pairs")?;
+        let mut mine =
+            braid_core::alloc::filled(0u8, (PAIR_BYTES * keep) as usize, "the kept sparse pairs")?;
         put_pairs(
             &mut mine,
             kept_idx.iter().map(|&i| i + own.start as u32),

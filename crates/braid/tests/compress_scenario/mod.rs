@@ -694,10 +694,8 @@ impl SparseReference {
     fn step(&mut self, grads: &[Vec<f32>], t: u64, reduce_scatter: bool) -> SparseStep {
         let n = grads.len();
         let mut sel = Vec::new();
-        for r in 0..n {
-            let (c, _) = self.local[r]
-                .step(&grads[r], &mut self.codecs[r], t)
-                .unwrap();
+        for ((ef, codec), g) in self.local.iter_mut().zip(&mut self.codecs).zip(grads) {
+            let (c, _) = ef.step(g, codec, t).unwrap();
             let Payload::Sparse { indices, values } = c.into_payload() else {
                 panic!("top-k is sparse")
             };
