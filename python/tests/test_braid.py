@@ -148,6 +148,10 @@ class Collectives(unittest.TestCase):
                     self.assertEqual((st["step"], st["len"]), (step + 1, n), codec)
                     self.assertTrue(0 < st["density"] <= 1, codec)
                     self.assertIsInstance(st["path"], str)
+                    if codec.startswith("topk"):
+                        # The traffic model gathers on two ranks, reduce-scatters from three on.
+                        want = "sparse_reduce_scatter" if self.world >= 3 else "sparse_all_gather"
+                        self.assertEqual(st["path"], want, codec)
                     everyone = self.comm.all_gather(g).reshape(self.world, n)
                     for r in range(self.world):
                         np.testing.assert_array_equal(everyone[r], g, err_msg=f"{codec}: rank {r} differs")
