@@ -249,7 +249,8 @@ class _CompressStatsC(ctypes.Structure):
     ]
 
 
-_PATHS = ["dense", "sum_closed", "power_iteration", "sparse_all_gather", "sparse_dense_switch", "two_phase"]
+_PATHS = ["dense", "sum_closed", "power_iteration", "sparse_all_gather", "sparse_dense_switch", "two_phase",
+          "sparse_reduce_scatter"]
 for _name, _args in {
     "braid_compressor_create": [_pp, ctypes.c_char_p, _i, _sz],
     "braid_compressor_create_layers": [_pp, ctypes.c_char_p, _i, _sz, ctypes.POINTER(ctypes.c_uint64),

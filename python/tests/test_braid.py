@@ -139,8 +139,8 @@ class Collectives(unittest.TestCase):
     def test_compressed(self):
         n = 2048
         i = np.arange(n)
-        for codec, exact in (("none", True), ("fp16", True), ("topk:0.1", False), ("int8", False),
-                             ("powersgd:2", False)):
+        for codec, exact in (("none", True), ("fp16", True), ("topk:0.1", False), ("topk:0.1/sparse=auto", False),
+                             ("int8", False), ("powersgd:2", False)):
             with braid.Compressor(n, codec, error_feedback=True) as c:
                 for step in range(2):
                     g = ((i * 3 + (self.rank + step) * 7) % 17 - 8).astype(np.float32)
@@ -148,6 +148,13 @@ class Collectives(unittest.TestCase):
                     self.assertEqual((st["step"], st["len"]), (step + 1, n), codec)
                     self.assertTrue(0 < st["density"] <= 1, codec)
                     self.assertIsInstance(st["path"], str)
+                    if codec == "topk:0.1/sparse=auto":
+                        # The traffic model gathers on two ranks, reduce-scatters from three on.
+                        want = "sparse_reduce_scatter" if self.world >= 3 else "sparse_all_gather"
+                        self.assertEqual(st["path"], want, codec)
+                    elif codec.startswith("topk"):
+                        # By default the pairs are gathered (the exact sum of the sparse updates).
+                        self.assertIn(st["path"], ("sparse_all_gather", "sparse_dense_switch"), codec)
                     everyone = self.comm.all_gather(g).reshape(self.world, n)
                     for r in range(self.world):
                         np.testing.assert_array_equal(everyone[r], g, err_msg=f"{codec}: rank {r} differs")

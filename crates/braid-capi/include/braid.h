@@ -349,6 +349,13 @@ typedef struct braid_compress_stats {
 #define BRAID_PATH_TWO_PHASE 5
 
 /**
+ * Top-k pairs sent to the owner of their index range, summed and re-selected there (what is dropped
+ * stays in the range's second error buffer), the kept pairs all-gathered: traffic per rank flat in the
+ * rank count (`BRAID_COMPRESS_SPARSE`).
+ */
+#define BRAID_PATH_SPARSE_REDUCE_SCATTER 6
+
+/**
  * The (approximate) sum or average of the ranks' gradients.
  */
 #define BRAID_OUTPUT_GRADIENT 0

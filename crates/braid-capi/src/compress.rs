@@ -32,6 +32,10 @@ pub const BRAID_PATH_SPARSE_ALL_GATHER: braid_compress_path = 3;
 pub const BRAID_PATH_SPARSE_DENSE_SWITCH: braid_compress_path = 4;
 /// Int8 and sign: compressed shards exchanged, reduced and re-compressed per shard, then all-gathered.
 pub const BRAID_PATH_TWO_PHASE: braid_compress_path = 5;
+/// Top-k pairs sent to the owner of their index range, summed and re-selected there (what is dropped
+/// stays in the range's second error buffer), the kept pairs all-gathered: traffic per rank flat in the
+/// rank count (`BRAID_COMPRESS_SPARSE`).
+pub const BRAID_PATH_SPARSE_REDUCE_SCATTER: braid_compress_path = 6;
 
 /// What one `braid_all_reduce_compressed` call did.
 #[repr(C)]
@@ -86,6 +90,7 @@ fn path_code(p: CompressedPath) -> braid_compress_path {
         CompressedPath::SparseAllGather => BRAID_PATH_SPARSE_ALL_GATHER,
         CompressedPath::SparseDenseSwitch => BRAID_PATH_SPARSE_DENSE_SWITCH,
         CompressedPath::TwoPhase => BRAID_PATH_TWO_PHASE,
+        CompressedPath::SparseReduceScatter => BRAID_PATH_SPARSE_REDUCE_SCATTER,
     }
 }
 

@@ -3,12 +3,17 @@
 //! Rank 0 first times each codec alone (error feedback plus compress, as a step does) in GB/s of gradient,
 //! next to a memcpy of the same bytes. Then every rank times the dense all-reduce and the compressed
 //! all-reduce of each codec on the same gradient, interleaved in rounds, and rank 0 prints the medians, the
-//! speed-up over dense and the bytes each rank sent against dense.
+//! speed-up over dense and the bytes each rank sent against dense. Top-k codecs run once per sparse path
+//! asked for (`--sparse allgather,reducescatter` puts the all-gather of pairs and the reduce-scatter side
+//! by side), and the path each setting took is printed with it.
 
 use std::time::Instant;
 
 use braid::braid_compress::ErrorFeedback;
-use braid::{CodecSpec, Communicator, CompressionConfig, Error, GradientCompressor, ReduceOp};
+use braid::{
+    CodecSpec, Communicator, CompressedPath, CompressionConfig, Error, GradientCompressor,
+    ReduceOp, SparsePath,
+};
 
 use crate::perf::median;
 
@@ -20,6 +25,21 @@ pub struct BenchArgs {
     pub codecs: Vec<CodecSpec>,
     /// Timed rounds (each runs every setting once).
     pub rounds: usize,
+    /// The sparse paths each top-k codec runs with.
+    pub sparse: Vec<SparsePath>,
+}
+
+/// The short name of a path, for the table.
+fn path_name(p: Option<CompressedPath>) -> &'static str {
+    match p {
+        None | Some(CompressedPath::Dense) => "dense",
+        Some(CompressedPath::SumClosed) => "sum-closed",
+        Some(CompressedPath::PowerIteration) => "power-iteration",
+        Some(CompressedPath::SparseAllGather) => "all-gather",
+        Some(CompressedPath::SparseDenseSwitch) => "dense-switch",
+        Some(CompressedPath::SparseReduceScatter) => "reduce-scatter",
+        Some(CompressedPath::TwoPhase) => "two-phase",
+    }
 }
 
 /// A gradient with some structure: mostly small values and a few large ones, different on every rank.
@@ -94,17 +114,32 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<(), Error> {
     // All-reduce: dense and every codec, interleaved in rounds.
     let mut settings: Vec<(String, Option<GradientCompressor>)> = vec![("dense".into(), None)];
     for spec in &a.codecs {
-        let config = CompressionConfig {
-            codec: *spec,
-            ..CompressionConfig::default()
+        let sparse = matches!(
+            spec,
+            CodecSpec::TopK { .. } | CodecSpec::ThresholdTopK { .. }
+        );
+        let paths: &[SparsePath] = if sparse {
+            &a.sparse
+        } else {
+            &[SparsePath::Auto]
         };
-        settings.push((
-            spec.to_string(),
-            Some(GradientCompressor::new(config, len)?),
-        ));
+        for path in paths {
+            let config = CompressionConfig {
+                codec: *spec,
+                sparse_path: *path,
+                ..CompressionConfig::default()
+            };
+            let name = if sparse && a.sparse.len() > 1 {
+                format!("{spec} {path}")
+            } else {
+                spec.to_string()
+            };
+            settings.push((name, Some(GradientCompressor::new(config, len)?)));
+        }
     }
     let mut times: Vec<Vec<f64>> = vec![Vec::new(); settings.len()];
     let mut sent = vec![0u64; settings.len()];
+    let mut took = vec![None; settings.len()];
     let mut buf = grad.clone();
     let dense_sent = 2 * (comm.world_size() as u64 - 1) * a.bytes as u64 / comm.world_size() as u64;
     for round in 0..=a.rounds {
@@ -115,9 +150,9 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<(), Error> {
             match state {
                 None => comm.all_reduce_in_place(&mut buf, ReduceOp::Avg)?,
                 Some(s) => {
-                    sent[i] = comm
-                        .all_reduce_compressed(&mut buf, ReduceOp::Avg, s)?
-                        .sent_bytes
+                    let rep = comm.all_reduce_compressed(&mut buf, ReduceOp::Avg, s)?;
+                    sent[i] = rep.sent_bytes;
+                    took[i] = Some(rep.path);
                 }
             }
             let dt = t.elapsed().as_secs_f64();
@@ -128,6 +163,15 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<(), Error> {
         }
     }
     sent[0] = dense_sent;
+    // The busiest rank's bytes count (the reduce-scatter's ranks send different amounts).
+    let mut all_sent = vec![0u64; sent.len() * comm.world_size()];
+    comm.all_gather(&sent, &mut all_sent)?;
+    for (i, s) in sent.iter_mut().enumerate() {
+        *s = (0..comm.world_size())
+            .map(|r| all_sent[r * settings.len() + i])
+            .max()
+            .unwrap_or(0);
+    }
     // The slowest rank's time counts.
     let mut mine: Vec<f64> = times.iter_mut().map(|t| median(t)).collect();
     let mut all = vec![0f64; mine.len() * comm.world_size()];
@@ -143,12 +187,13 @@ pub fn run(comm: &Communicator, a: &BenchArgs) -> Result<(), Error> {
             a.rounds
         );
         println!(
-            "# {:<22} {:>11} {:>10} {:>14} {:>10}",
-            "setting", "time (ms)", "vs dense", "sent (MiB)", "vs dense"
+            "# {:<30} {:>15} {:>11} {:>10} {:>14} {:>10}",
+            "setting", "path", "time (ms)", "vs dense", "sent (MiB)", "vs dense"
         );
         for (i, (name, _)) in settings.iter().enumerate() {
             println!(
-                "  {name:<22} {:>11.2} {:>9.2}x {:>14.2} {:>9.1}%",
+                "  {name:<30} {:>15} {:>11.2} {:>9.2}x {:>14.2} {:>9.1}%",
+                path_name(took[i]),
                 mine[i] * 1e3,
                 mine[0] / mine[i],
                 sent[i] as f64 / (1 << 20) as f64,

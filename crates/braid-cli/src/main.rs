@@ -114,6 +114,9 @@ enum Cmd {
         /// Timed rounds (after one warm-up round).
         #[arg(short = 'n', long, default_value_t = 5)]
         rounds: usize,
+        /// Sparse paths each top-k codec runs with, comma-separated: auto, allgather, reducescatter.
+        #[arg(long, default_value = "auto")]
+        sparse: String,
     },
     /// Print the topology. Alone: this host's NUMA nodes, GPUs and NICs. Started by a launcher
     /// (`braid run -n N -- braid topo`, or across hosts): where every rank is, how each peer is reached,
@@ -276,19 +279,30 @@ fn main() {
             size,
             codecs,
             rounds,
+            sparse,
         } => {
             let specs: Result<Vec<braid::CodecSpec>, _> =
                 codecs.split(',').map(|c| c.trim().parse()).collect();
-            match specs {
-                Err(e) => {
+            let paths: Result<Vec<braid::SparsePath>, _> =
+                sparse.split(',').map(str::parse).collect();
+            match (specs, paths) {
+                (Err(e), _) => {
                     eprintln!("braid compress-bench: --codecs: {e}");
                     2
                 }
-                Ok(codecs) => {
+                (_, Err(e)) => {
+                    eprintln!(
+                        "braid compress-bench: --sparse {}: {e}",
+                        braid::braid_compress::echo_input(&sparse)
+                    );
+                    2
+                }
+                (Ok(codecs), Ok(sparse)) => {
                     let args = compress_bench::BenchArgs {
                         bytes: size / 4 * 4,
                         codecs,
                         rounds: rounds.max(1),
+                        sparse,
                     };
                     as_ranks("compress-bench", ranks, |c| {
                         compress_bench::run(c, &args).map(|_| 0)

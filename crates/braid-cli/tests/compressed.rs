@@ -28,6 +28,7 @@ fn rank_main(scenario: &str, args: &[String]) -> i32 {
                     (cfg.clip_norm, cfg.decay, cfg.dense_switch),
                     (Some(2.5), Some(0.9), 0.25)
                 );
+                assert_eq!(cfg.sparse_path, braid::SparsePath::ReduceScatter);
             }
             Err(e) => {
                 println!("config error: {e}");
@@ -48,6 +49,7 @@ fn rank_main(scenario: &str, args: &[String]) -> i32 {
                 + scenario::bad_input_clip_warnings_reset(&c)
                 + scenario::all_to_all(&c)
                 + scenario::tiny_tensors(&c)
+                + scenario::sparse_reduce_scatter(&c)
         }
         "env" => {
             // The environment's configuration works end to end.
@@ -106,6 +108,7 @@ fn test_configuration_from_the_environment() {
         ("BRAID_COMPRESS_CLIP", "2.5"),
         ("BRAID_COMPRESS_DECAY", "0.9"),
         ("BRAID_COMPRESS_DENSE_SWITCH", "0.25"),
+        ("BRAID_COMPRESS_SPARSE", "reducescatter"),
     ];
     let o = braid_run(3, &["env", "int8-stochastic:128"], &good);
     assert!(o.status.success(), "{}", show(&o));
@@ -117,6 +120,7 @@ fn test_configuration_from_the_environment() {
         ("BRAID_COMPRESS", "topk:7"),
         ("BRAID_COMPRESS_DECAY", "-1"),
         ("BRAID_COMPRESS_EF", "sometimes"),
+        ("BRAID_COMPRESS_SPARSE", "everywhere"),
     ] {
         let mut env = good.to_vec();
         env.retain(|(k, _)| *k != var);

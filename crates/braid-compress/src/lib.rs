@@ -42,7 +42,7 @@ pub use codec::cast::Cast;
 pub use codec::power_sgd::{self, PowerSgd};
 pub use codec::quant::{Int8, Rounding, Sign, DEFAULT_BLOCK};
 pub use codec::random_k::{random_k_indices, RandomK};
-pub use codec::top_k::{ThresholdTopK, TopK, DEFAULT_DENSITY};
+pub use codec::top_k::{top_k, ThresholdTopK, TopK, DEFAULT_DENSITY};
 pub use codec::{k_for_density, Codec, Transport};
 pub use error::{Error, Result};
 pub use feedback::{

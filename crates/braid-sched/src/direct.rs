@@ -4,7 +4,10 @@
 //! `(n−1)·bytes`. On one host, for small messages, latency is all that counts. Every rank reduces all `n`
 //! contributions in rank order, so the results are bit-identical without a gather phase. Direct all-gather
 //! likewise sends each rank's block to everyone in one step, and direct all-to-all each block to its one
-//! destination.
+//! destination. [`all_to_all_v`] and [`all_gather_v`] do the same with blocks whose sizes differ per
+//! rank (agreed by an exchange of counts first): the sparse reduce-scatter of [`crate::sparse`].
+
+use std::ops::Range;
 
 use crate::{chunk_of, chunks_needed, Action, Buf};
 
@@ -151,6 +154,88 @@ pub fn all_to_all(world: usize, rank: usize, count_per_peer: usize, chunk: usize
         }
     }
     plan
+}
+
+/// Direct all-to-all of blocks of any size: `send[j]` is the input range this rank sends to rank `j`,
+/// and `recv[i]` the output range where rank `i`'s block lands (its own block, `send[rank]`, is copied
+/// to `recv[rank]`). Both sides must agree on every size beforehand (rank `i`'s `send[j].len()` is rank
+/// `j`'s `recv[i].len()`), as after an exchange of counts: a receiver that expects another size fails
+/// with a mismatch naming the sender. An empty block sends no message. `chunk` elements per message.
+///
+/// Chunk position `c` sends chunk `c` of every block that has one, then receives chunk `c` of every
+/// incoming block that has one. A rank at the lowest position can always go on (each peer at the same
+/// or a later position has taken its earlier messages, or sent what it waits for), so one slot per
+/// channel suffices, whatever the sizes.
+pub fn all_to_all_v(
+    world: usize,
+    rank: usize,
+    send: &[Range<usize>],
+    recv: &[Range<usize>],
+    chunk: usize,
+) -> Vec<Action> {
+    assert!(
+        world > 0 && rank < world,
+        "rank {rank} out of range for world {world}"
+    );
+    assert!(
+        send.len() == world && recv.len() == world,
+        "all_to_all_v needs one send and one receive range per rank"
+    );
+    assert!(
+        send[rank].len() == recv[rank].len(),
+        "a rank's own block is copied: its send and receive ranges must have the same length"
+    );
+    assert!(chunk > 0, "chunk must hold at least one element");
+    let chunks = |r: &Range<usize>| r.len().div_ceil(chunk);
+    let mut plan = Vec::new();
+    if !send[rank].is_empty() {
+        plan.push(Action::Copy {
+            src: send[rank].clone(),
+            dst: recv[rank].clone(),
+        });
+    }
+    let peers = || (1..world).map(|k| (rank + k) % world);
+    let positions = peers()
+        .map(|p| chunks(&send[p]).max(chunks(&recv[p])))
+        .max()
+        .unwrap_or(0);
+    for c in 0..positions {
+        for to in peers().filter(|&p| c < chunks(&send[p])) {
+            plan.push(Action::Send {
+                to,
+                buf: Buf::Input,
+                range: chunk_of(&send[to], c, chunk),
+            });
+        }
+        for k in 1..world {
+            let from = (rank + world - k) % world;
+            if c < chunks(&recv[from]) {
+                plan.push(Action::RecvCopy {
+                    from,
+                    output: chunk_of(&recv[from], c, chunk),
+                    forward: None,
+                });
+            }
+        }
+    }
+    plan
+}
+
+/// Direct all-gather of blocks of any size: this rank's input `0..blocks[rank].len()` goes to every
+/// peer, and rank `i`'s block lands in output `blocks[i]` on every rank (sizes agreed beforehand, as for
+/// [`all_to_all_v`], which this is with the same send range for every peer).
+pub fn all_gather_v(
+    world: usize,
+    rank: usize,
+    blocks: &[Range<usize>],
+    chunk: usize,
+) -> Vec<Action> {
+    assert!(
+        world > 0 && rank < world && blocks.len() == world,
+        "all_gather_v needs rank {rank} < world {world} and one block per rank"
+    );
+    let mine = 0..blocks[rank].len();
+    all_to_all_v(world, rank, &vec![mine; world], blocks, chunk)
 }
 
 /// Barrier: an empty message to every peer, then one from every peer.

@@ -10,6 +10,10 @@
 //! host, all-reduces across hosts and gathers within each host; [`cost`] models both with one link class
 //! within hosts and one between them.
 //!
+//! [`sparse`] holds the index side of top-k's sparse all-reduce: the balanced partition of the index
+//! space, the routing of pairs to it, the choice between gathering and reduce-scattering pairs, and
+//! the exact bytes of each way; [`direct::all_to_all_v`] and [`direct::all_gather_v`] move its blocks.
+//!
 //! [`plan`] is the one entry point from a [`Collective`], an [`Algo`] and the hosts to a rank's schedule;
 //! [`cost::traffic`] counts what that schedule sends.
 //!
@@ -31,6 +35,7 @@ pub mod hier;
 mod plan;
 pub mod rhd;
 pub mod ring;
+pub mod sparse;
 pub mod tree;
 
 pub use algo::{Algo, Collective};

@@ -2,12 +2,14 @@
 //! records it in the flight recorder and runs it with braid-exec's [`braid_exec::Executor`] on the
 //! calling thread (no hand-off on the blocking path).
 
+use std::ops::Range;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Instant;
 
 use braid_core::{Config, DType, Error, ReduceOp};
-use braid_exec::{CpuEngine, Progress, Run, Settings, Wait};
+use braid_exec::{CpuEngine, Plan, Progress, Run, Settings, Wait};
+use braid_sched::Algo;
 use braid_transport::{Link, Span};
 use tracing::{error, trace};
 
@@ -54,12 +56,21 @@ impl Kind {
     }
 }
 
+/// The blocks of an all-to-all whose sizes differ per peer (in elements): `send[j]` of the input goes
+/// to rank `j`, rank `i`'s block lands in `recv[i]` of the output ([`braid_sched::direct::all_to_all_v`]).
+pub(crate) struct Blocks {
+    pub send: Vec<Range<usize>>,
+    pub recv: Vec<Range<usize>>,
+}
+
 /// One collective call, validated, over host memory.
 pub(crate) struct Op {
     pub kind: Kind,
     pub dtype: DType,
     pub count: usize,
     spec: braid_exec::Op,
+    /// An all-to-all of blocks of any size instead of the planner's schedule for `kind`.
+    blocks: Option<Box<Blocks>>,
 }
 
 impl Op {
@@ -99,7 +110,19 @@ impl Op {
                 send,
                 recv,
             },
+            blocks: None,
         }
+    }
+
+    /// The op runs an all-to-all of `blocks` (direct, each block its own size) instead of its kind's
+    /// schedule; `count` stays what the ranks compare under debug checks, so it must be the same on
+    /// every rank (the total over all blocks of all ranks).
+    ///
+    /// # Safety
+    /// Every range of `blocks` must lie within the op's buffers (input for `send`, output for `recv`).
+    pub(crate) unsafe fn with_blocks(mut self, blocks: Blocks) -> Op {
+        self.blocks = Some(Box::new(blocks));
+        self
     }
 }
 
@@ -235,11 +258,19 @@ impl Executor {
                 self.seqs.len()
             )));
         };
-        let algo = self
-            .tuner
-            .pick_cached(op.kind.collective(), op.count * op.dtype.size());
         let started = Instant::now();
-        let run = self.exec.start(op.spec, algo, stream, seq, started)?;
+        let (algo, run) = match self.custom_plan(op) {
+            Some(plan) => (
+                Algo::Direct,
+                self.exec.start_plan(op.spec, plan, stream, seq, started)?,
+            ),
+            None => {
+                let algo = self
+                    .tuner
+                    .pick_cached(op.kind.collective(), op.count * op.dtype.size());
+                (algo, self.exec.start(op.spec, algo, stream, seq, started)?)
+            }
+        };
         self.seqs[stream] += 1;
         trace!(rank = self.rank, stream, seq, op = op.kind.name(), count = op.count, dtype = %op.dtype, algo = algo.name(), "run");
         self.recorder.start(stream, seq, op, algo, started);
@@ -277,21 +308,51 @@ impl Executor {
         let Some(seq) = self.seqs.get(stream).copied() else {
             return Err(Error::invalid(format!("stream {stream} does not exist")));
         };
-        let algo = self
-            .tuner
-            .pick_cached(op.kind.collective(), op.count * op.dtype.size());
         let started = Instant::now();
+        let custom = self.custom_plan(op);
+        let algo = match custom {
+            Some(_) => Algo::Direct,
+            None => self
+                .tuner
+                .pick_cached(op.kind.collective(), op.count * op.dtype.size()),
+        };
         // An op refused before it starts takes no number and leaves no record.
         let (seqs, recorder) = (&mut self.seqs, &self.recorder);
-        let result = self.exec.run_op(op.spec, algo, stream, seq, started, || {
+        let mut on_start = || {
             seqs[stream] += 1;
             recorder.start(stream, seq, op, algo, started);
-        });
+        };
+        let result = match custom {
+            Some(plan) => match self.exec.start_plan(op.spec, plan, stream, seq, started) {
+                Ok(mut run) => {
+                    on_start();
+                    self.exec.run_blocking(&mut run)
+                }
+                Err(e) => Err(e),
+            },
+            None => self
+                .exec
+                .run_op(op.spec, algo, stream, seq, started, on_start),
+        };
         if self.seqs[stream] != seq {
             // It started (and was recorded): record how it ended.
             self.record(stream, seq, started, &result);
         }
         result
+    }
+
+    /// The schedule of an op with blocks of any size (not cached: the sizes change every call).
+    fn custom_plan(&self, op: &Op) -> Option<Arc<Plan>> {
+        let b = op.blocks.as_deref()?;
+        let (world, rank) = (self.exec.world(), self.rank);
+        let actions = braid_sched::direct::all_to_all_v(
+            world,
+            rank,
+            &b.send,
+            &b.recv,
+            self.exec.chunk(op.dtype),
+        );
+        Some(Arc::new(Plan::new(actions)))
     }
 
     fn finish(&self, r: &Running, result: &Result<(), Error>) {

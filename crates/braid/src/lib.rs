@@ -37,7 +37,7 @@ pub use braid_topo;
 pub use comm::Communicator;
 pub use compressed::{
     AdamSafe, AdamSend, ClipScope, CodecSpec, CompressedPath, CompressedReport, CompressionConfig,
-    DensityWarmup, GradientCompressor, Output,
+    DensityWarmup, GradientCompressor, Output, SparsePath,
 };
 pub use id::UniqueId;
 pub use job::JobEnv;

@@ -12,15 +12,23 @@ use braid::{
 };
 use proptest::prelude::*;
 
-/// Runs `f` on `n` ranks, each a thread with its own communicator.
+/// Runs `f` on `n` ranks, each a thread with its own communicator (with debug checks).
 fn with_ranks<R: Send + 'static>(
     n: usize,
+    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    with_ranks_checked(n, true, f)
+}
+
+fn with_ranks_checked<R: Send + 'static>(
+    n: usize,
+    debug_checks: bool,
     f: impl Fn(Communicator) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
     let id = UniqueId::new().unwrap();
     let cfg = Config {
         timeout: Duration::from_secs(60),
-        debug_checks: true,
+        debug_checks,
         ..Config::default()
     };
     let f = Arc::new(f);
@@ -44,6 +52,100 @@ fn every_codec_on_one_two_and_three_ranks() {
             checks.iter().all(|k| *k == checks[0] && *k > 50),
             "{checks:?}"
         );
+    }
+}
+
+#[test]
+fn sparse_reduce_scatter_matches_its_reference() {
+    for n in [1, 2, 3, 4] {
+        let checks = with_ranks(n, |c| scenario::sparse_reduce_scatter(&c));
+        assert!(checks.iter().all(|k| *k == 17), "{checks:?}");
+    }
+}
+
+/// How rank 1 misbehaves in the sparse reduce-scatter: it plays the exchanges by hand.
+#[derive(Clone, Copy, Debug)]
+enum Lie {
+    /// A partition of its own.
+    Partition,
+    /// More pairs for rank 0 than it selected in all.
+    Count,
+    /// Pairs outside rank 0's range.
+    Indices,
+    /// A quota its load does not give.
+    Quota,
+}
+
+#[test]
+fn a_peer_sending_bad_sparse_data_is_a_mismatch_naming_it() {
+    use braid::compressed::sparse_model::Partition;
+    const N: usize = 200;
+    for lie in [Lie::Partition, Lie::Count, Lie::Indices, Lie::Quota] {
+        let results = with_ranks_checked(2, false, move |c| {
+            let cfg = CompressionConfig {
+                sparse_path: braid::SparsePath::ReduceScatter,
+                ..CompressionConfig::default()
+            };
+            // Top-k keeps 20: ten in each rank's half.
+            let mut g: Vec<f32> = (0..N)
+                .map(|i| if i % 100 < 10 { 5.0 } else { 0.1 })
+                .collect();
+            if c.rank() == 0 {
+                let mut st = GradientCompressor::new(cfg, N).unwrap();
+                let e = c
+                    .all_reduce_compressed(&mut g, braid::ReduceOp::Sum, &mut st)
+                    .unwrap_err();
+                return e.to_string();
+            }
+            let fp = Partition::even(N, 2).fingerprint();
+            let pairs = |first: u32| -> Vec<u8> {
+                let mut b: Vec<u8> = (first..first + 10).flat_map(|i| i.to_le_bytes()).collect();
+                b.extend((0..10).flat_map(|_| 5.0f32.to_le_bytes()));
+                b
+            };
+            let mut counts = [0u64; 2];
+            c.all_gather(&[20u64], &mut counts).unwrap();
+            let route = match lie {
+                Lie::Partition => [10, fp ^ 1, 10, fp ^ 1],
+                Lie::Count => [30, fp, 10, fp],
+                _ => [10, fp, 10, fp],
+            };
+            let mut heard = [0u64; 4];
+            c.all_to_all(&route, &mut heard).unwrap();
+            if matches!(lie, Lie::Indices | Lie::Quota) {
+                let first = if matches!(lie, Lie::Indices) { 150 } else { 0 };
+                let mut send = pairs(first);
+                send.extend(pairs(100));
+                let mut got = vec![0u8; 160];
+                c.all_to_all_bytes(&send, &mut got, braid::DType::U8)
+                    .unwrap();
+            }
+            if matches!(lie, Lie::Quota) {
+                let mut all = [0u64; 18];
+                let mut mine = [0u64; 9];
+                mine[0] = 5;
+                c.all_gather(&mine, &mut all).unwrap();
+            }
+            // Rank 0 found out and told everyone: the next call fails.
+            match c.barrier() {
+                Err(e) => format!("told: {e}"),
+                Ok(()) => "not told".into(),
+            }
+        });
+        let why = match lie {
+            Lie::Partition => "cut the index space differently",
+            Lie::Count => "rank 1 sends 30 pairs for range 0..100, but selected 20 in all",
+            Lie::Indices => "index 150 (pair 0 of 10) is outside its range 0..100",
+            Lie::Quota => {
+                "rank 1 keeps 5 pairs of range 100..200 after receiving [0, 0, 0, 0, 0, 0, 0, 0]"
+            }
+        };
+        assert!(
+            results[0].contains("mismatch with rank 1") && results[0].contains(why),
+            "{lie:?}: {}",
+            results[0]
+        );
+        assert!(results[1].starts_with("told: "), "{lie:?}: {}", results[1]);
     }
 }
 
@@ -246,14 +348,25 @@ fn configuration_from_the_environment() {
         (d.dense_switch, d.seed, d.adaptive_optimizer),
         (0.5, 0, false)
     );
+    assert_eq!(d.sparse_path, braid::SparsePath::AllGather);
     let c = CompressionConfig::from_lookup(lookup(&[
         ("BRAID_COMPRESS", "int8-stochastic:128"),
         ("BRAID_COMPRESS_EF", "0"),
         ("BRAID_COMPRESS_CLIP", "2.5"),
         ("BRAID_COMPRESS_DECAY", "0.9"),
         ("BRAID_COMPRESS_DENSE_SWITCH", "0.25"),
+        ("BRAID_COMPRESS_SPARSE", "reduce-scatter"),
     ]))
     .unwrap();
+    assert_eq!(c.sparse_path, braid::SparsePath::ReduceScatter);
+    for (text, want) in [
+        (" AllGather", braid::SparsePath::AllGather),
+        ("rs", braid::SparsePath::ReduceScatter),
+        ("auto", braid::SparsePath::Auto),
+    ] {
+        let c = CompressionConfig::from_lookup(lookup(&[("BRAID_COMPRESS_SPARSE", text)])).unwrap();
+        assert_eq!(c.sparse_path, want, "{text}");
+    }
     assert_eq!(
         c.codec,
         CodecSpec::Int8 {
@@ -278,6 +391,7 @@ fn configuration_from_the_environment() {
         ("BRAID_COMPRESS_DECAY", "x"),
         ("BRAID_COMPRESS_DENSE_SWITCH", "-0.1"),
         ("BRAID_COMPRESS_DENSE_SWITCH", "NaN"),
+        ("BRAID_COMPRESS_SPARSE", "ring"),
     ] {
         let e = CompressionConfig::from_lookup(lookup(&[(var, value)])).unwrap_err();
         assert!(e.is_invalid_argument(), "{var}={value}: {e}");

@@ -48,6 +48,8 @@ int main(void) {
       {"fp16", BRAID_PATH_SUM_CLOSED, BRAID_PATH_SUM_CLOSED, 1},
       {"bf16", BRAID_PATH_SUM_CLOSED, BRAID_PATH_SUM_CLOSED, 0},
       {"topk:0.1", BRAID_PATH_SPARSE_ALL_GATHER, BRAID_PATH_SPARSE_DENSE_SWITCH, 0},
+      /* The traffic model gathers on two ranks and reduce-scatters from three on. */
+      {"topk:0.1/sparse=auto", BRAID_PATH_SPARSE_ALL_GATHER, BRAID_PATH_SPARSE_REDUCE_SCATTER, 0},
       {"int8", BRAID_PATH_TWO_PHASE, BRAID_PATH_TWO_PHASE, 0},
       {"sign", BRAID_PATH_TWO_PHASE, BRAID_PATH_TWO_PHASE, 0},
       {"powersgd:2", BRAID_PATH_POWER_ITERATION, BRAID_PATH_POWER_ITERATION, 0},
@@ -63,6 +65,9 @@ int main(void) {
       CHECK(braid_all_reduce_compressed(g, LEN, BRAID_AVG, c, comm, &st));
       EXPECT(st.path == codecs[k].path || st.path == codecs[k].alt, "%s: path %d", codecs[k].spec,
              st.path);
+      if (codecs[k].alt == BRAID_PATH_SPARSE_REDUCE_SCATTER)
+        EXPECT(st.path == (g_world >= 3 ? BRAID_PATH_SPARSE_REDUCE_SCATTER : BRAID_PATH_SPARSE_ALL_GATHER),
+               "%s on %d ranks: path %d", codecs[k].spec, g_world, st.path);
       EXPECT(st.len == LEN && st.step == (uint64_t)step + 1, "%s: len %llu step %llu", codecs[k].spec,
              (unsigned long long)st.len, (unsigned long long)st.step);
       EXPECT(st.density > 0 && st.density <= 1, "%s: density %g", codecs[k].spec, st.density);

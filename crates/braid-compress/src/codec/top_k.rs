@@ -47,6 +47,26 @@ pub(crate) fn exact_top_k(grad: &[f32], k: usize) -> Compressed {
     Compressed::new_unchecked(grad.len(), Payload::Sparse { indices, values })
 }
 
+/// The exact top-`k` of `grad` by the rule of [`TopK`] (largest magnitudes, ties to the lower index,
+/// ascending indices, original values), for a count rather than a density; `k` is clamped to
+/// `grad.len()`. The re-selection of a range in braid's sparse reduce-scatter.
+///
+/// ```
+/// use braid_compress::{top_k, Payload};
+/// let c = top_k(&[1.0, -3.0, 2.0, 3.0, -2.0], 3);
+/// let want = Payload::Sparse { indices: vec![1, 2, 3], values: vec![-3.0, 2.0, 3.0] };
+/// assert_eq!(c.payload(), &want);
+/// assert_eq!(top_k(&[1.0, 2.0], 5).to_dense(), [1.0, 2.0]);
+/// ```
+///
+/// # Panics
+///
+/// If `grad.len()` exceeds `u32::MAX`, as [`TopK`] does.
+pub fn top_k(grad: &[f32], k: usize) -> Compressed {
+    assert_indexable("top-k", grad.len());
+    exact_top_k(grad, k)
+}
+
 impl Codec for TopK {
     fn name(&self) -> String {
         format!("top-k(density={})", self.density)

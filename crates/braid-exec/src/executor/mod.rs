@@ -304,8 +304,9 @@ impl<E: Engine + ?Sized> Executor<E> {
         self.plans.clear();
     }
 
-    /// Elements of the accumulator type per slot: the chunk size of every schedule.
-    fn chunk(&self, dtype: DType) -> usize {
+    /// Elements of the accumulator type per slot: the chunk size of every schedule (and of any plan
+    /// built outside the planner for [`Executor::start_plan`]).
+    pub fn chunk(&self, dtype: DType) -> usize {
         match &self.link {
             Some(_) => (self.slot_bytes / dtype.accumulator().size()).max(1),
             None => usize::MAX,

@@ -12,7 +12,7 @@ use super::{AdamSafe, AdamSend, ClipScope, CompressionConfig, DensityWarmup};
 /// The options the grammar accepts, for error messages.
 const OPTIONS: &str =
     "ef, noef, decay=X, clip=X, gclip=X, momentum=M, mask, warmup=STEPS[:START], \
-                       adam=STEPS[:BETA1], adamsend=moment|gradient, switch=X, seed=N, adaptive";
+                       adam=STEPS[:BETA1], adamsend=moment|gradient, switch=X, sparse=allgather|reducescatter|auto, seed=N, adaptive";
 
 /// Density a warm-up starts from when the text gives none (Deep Gradient Compression's 25%).
 pub const DEFAULT_WARMUP_START: f32 = 0.25;
@@ -32,6 +32,7 @@ pub const DEFAULT_WARMUP_START: f32 = 0.25;
 /// | `adam=STEPS[:BETA1]` | Adam-safe compression after `STEPS` dense steps, β1 0.9 unless given |
 /// | `adamsend=moment\|gradient` | what Adam-safe compression compresses ([`AdamSend`]; default by codec) |
 /// | `switch=X` | top-k's dense switch, a number ≥ 0 |
+/// | `sparse=allgather\|reducescatter\|auto` | top-k's way through the network ([`SparsePath`](crate::SparsePath)) |
 /// | `seed=N` | the codecs' seed |
 /// | `adaptive` | the optimizer is adaptive: warn below 1% density |
 ///
@@ -161,6 +162,14 @@ impl FromStr for CompressionConfig {
                     pending_send = true;
                 }
                 "switch" => c.dense_switch = num("switch")?,
+                "sparse" => {
+                    let v = value
+                        .as_deref()
+                        .ok_or_else(|| bad("sparse needs a value (sparse=allgather)".into()))?;
+                    c.sparse_path = v.parse().map_err(|e| {
+                        bad(format!("sparse={}: {}", echo_input(v), super::message(e)))
+                    })?;
+                }
                 "seed" => {
                     let v = value
                         .as_deref()
@@ -224,6 +233,9 @@ impl fmt::Display for CompressionConfig {
         if self.dense_switch != d.dense_switch {
             write!(f, "/switch={}", self.dense_switch)?;
         }
+        if self.sparse_path != d.sparse_path {
+            write!(f, "/sparse={}", self.sparse_path)?;
+        }
         if self.seed != d.seed {
             write!(f, "/seed={}", self.seed)?;
         }
@@ -237,7 +249,7 @@ impl fmt::Display for CompressionConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::CodecSpec;
+    use crate::{CodecSpec, SparsePath};
 
     fn parse(t: &str) -> Result<CompressionConfig, Error> {
         t.parse()
@@ -267,6 +279,10 @@ mod tests {
         let back = parse(&text).unwrap();
         assert_eq!(format!("{back:?}"), format!("{c:?}"));
 
+        let rs = parse("topk:0.01/sparse=reducescatter").unwrap();
+        assert_eq!(rs.sparse_path, SparsePath::ReduceScatter);
+        assert_eq!(rs.to_string(), "topk:0.01/sparse=reducescatter");
+        assert_eq!(parse("topk").unwrap().sparse_path, SparsePath::AllGather);
         let a =
             parse("int8/adamsend=gradient/adam=50:0.8/noef/clip=2/switch=0.3/adaptive/decay=0.5")
                 .unwrap();
@@ -306,6 +322,7 @@ mod tests {
             ("topk/adam=10/momentum=0.9", "choose one"),
             ("topk/adamsend=gradient", "needs adam=STEPS"),
             ("topk/mask", "momentum correction is off"),
+            ("topk/sparse=sideways", "not a sparse path"),
             ("topk/adam=5/adamsend=sideways", "moment or gradient"),
             ("topk//noef", "empty option"),
             ("topk/noef=1", "takes no value"),

@@ -12,8 +12,13 @@
 //!   factorised as its own matrix and 1-D tensors are summed exactly, with every layer's P (and the
 //!   exact parts) in one all-reduce and every Q in another;
 //! * top-k carries per-rank indices: ranks all-gather their `(index, value)` pairs and every rank sums them
-//!   in rank order ([`CompressedPath::SparseAllGather`]), unless the union would be dense enough that a
-//!   dense all-reduce of the sparse updates is cheaper ([`CompressedPath::SparseDenseSwitch`], SparCML);
+//!   in rank order ([`CompressedPath::SparseAllGather`]); or, so that a rank's traffic does not grow with
+//!   the rank count, each rank sends every range of the index space only to that range's owner, which
+//!   sums its range in rank order, keeps about `k/n` of it (what it drops stays in a second error buffer
+//!   for the range) and all-gathers what it kept ([`CompressedPath::SparseReduceScatter`], Ok-Topk);
+//!   [`CompressionConfig::sparse_path`] picks (gathering by default; `auto` asks the traffic model,
+//!   [`sparse_model`]). When the sparse data would be dense enough, a dense all-reduce of the sparse
+//!   updates is cheaper ([`CompressedPath::SparseDenseSwitch`], SparCML);
 //! * int8 and sign carry per-rank scales: DeepSpeed's two-phase scheme exchanges compressed shards
 //!   all-to-all, reduces each shard in f32 on its owner, re-compresses it with a second error buffer and
 //!   all-gathers the compressed shards ([`CompressedPath::TwoPhase`]).
@@ -29,6 +34,8 @@ use braid_compress::power_sgd::Plan;
 use braid_compress::{build_codec, ErrorFeedback, Layout, Staleness, Stats, DEFAULT_DENSITY};
 pub use braid_compress::{BoxedCodec, CodecSpec, DensityWarmup};
 use braid_core::{parse_bool, Error};
+/// The sparse all-reduce's partition, routing and traffic model.
+pub use braid_sched::sparse::{self as sparse_model, SparsePath};
 
 /// Bytes of a compressed tensor's header (`braid_compress::wire`).
 const HEADER: usize = braid_compress::wire::HEADER_BYTES;
@@ -96,6 +103,10 @@ pub struct CompressionConfig {
     /// Top-k only: when the ranks' non-zeros add up to more than `dense_switch · len`, the sparse updates
     /// are all-reduced densely instead of all-gathered (≥ 0; infinity never switches).
     pub dense_switch: f64,
+    /// Top-k only: all-gather the pairs (the default: the exact sum of the sparse updates),
+    /// reduce-scatter them by range (traffic flat in the rank count, about `k` pairs kept), or let the
+    /// traffic model pick ([`sparse_model::choose`]).
+    pub sparse_path: SparsePath,
     /// The optimizer is adaptive (Adam and its kin): warn below 1% density.
     pub adaptive_optimizer: bool,
     /// Seed of random-k's indices, threshold sampling, stochastic rounding and PowerSGD's first `Q`.
@@ -124,6 +135,7 @@ impl Default for CompressionConfig {
             warmup: None,
             adam: None,
             dense_switch: 0.5,
+            sparse_path: SparsePath::AllGather,
             adaptive_optimizer: false,
             seed: 0,
             layers: None,
@@ -134,8 +146,9 @@ impl Default for CompressionConfig {
 impl CompressionConfig {
     /// The defaults overridden by `BRAID_COMPRESS` (the text form, codec and options, see
     /// [`FromStr`](#impl-FromStr-for-CompressionConfig)), then by `BRAID_COMPRESS_EF` (0/1),
-    /// `BRAID_COMPRESS_CLIP` (max norm, or `none`), `BRAID_COMPRESS_DECAY` and
-    /// `BRAID_COMPRESS_DENSE_SWITCH`. A bad value is an [`Error::InvalidArgument`] naming the variable.
+    /// `BRAID_COMPRESS_CLIP` (max norm, or `none`), `BRAID_COMPRESS_DECAY`,
+    /// `BRAID_COMPRESS_DENSE_SWITCH` and `BRAID_COMPRESS_SPARSE` (`auto`, `allgather`,
+    /// `reducescatter`). A bad value is an [`Error::InvalidArgument`] naming the variable.
     pub fn from_env() -> Result<Self, Error> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
@@ -192,6 +205,11 @@ impl CompressionConfig {
                     ))
                 }
             }
+        }
+        if let Some(v) = lookup("BRAID_COMPRESS_SPARSE") {
+            c.sparse_path = v
+                .parse()
+                .map_err(|e| named("BRAID_COMPRESS_SPARSE", &v, message(e)))?;
         }
         Ok(c)
     }
@@ -388,6 +406,9 @@ pub enum CompressedPath {
     SparseAllGather,
     /// Top-k whose ranks' non-zeros exceeded the dense switch: a dense all-reduce of the sparse updates.
     SparseDenseSwitch,
+    /// Top-k pairs sent to the owner of their index range, summed there in rank order, re-selected with
+    /// the range's second error buffer, and the kept pairs all-gathered.
+    SparseReduceScatter,
     /// Int8/sign: all-to-all of compressed shards, reduce and re-compress per shard, all-gather.
     TwoPhase,
 }
@@ -429,6 +450,8 @@ pub struct GradientCompressor {
     server: Option<(usize, usize, BoxedCodec, ErrorFeedback)>,
     /// PowerSGD's plan: which runs are factorised, where their factors sit.
     power: Option<Plan>,
+    /// Sparse reduce-scatter: the partition and this rank's range's second error buffer.
+    sparse: Option<sparse::RangeState>,
     /// PowerSGD's warm-started Q.
     warm_q: Option<Vec<f32>>,
     /// The density the codec was built for (warm-up rebuilds it when the schedule moves).
@@ -526,6 +549,7 @@ impl GradientCompressor {
             staleness: Staleness::try_new(len).map_err(codec_error)?,
             server: None,
             power,
+            sparse: None,
             warm_q: None,
             last: None,
             warned: false,
@@ -610,10 +634,16 @@ impl GradientCompressor {
         &self.adam_m
     }
 
-    /// Two-phase codecs (int8, sign): the second error buffer of the shard this rank owns, empty before
-    /// the first call.
+    /// The second error buffer of the part of the tensor this rank owns: its shard on the two-phase path
+    /// (int8, sign), its index range on the sparse reduce-scatter (top-k; ranges move with the load, and
+    /// what leaves a rank's range moves to its local error buffer). The parts tile the tensor in rank
+    /// order. Empty before the first call of such a path.
     pub fn shard_error(&self) -> &[f32] {
-        self.server.as_ref().map_or(&[], |s| &s.3.error[..])
+        match (&self.server, &self.sparse) {
+            (Some(s), _) => &s.3.error[..],
+            (None, Some(s)) => s.error(),
+            (None, None) => &[],
+        }
     }
 
     /// Clears the error buffers, staleness and codec state (PowerSGD's warm start), as after loading a
@@ -623,6 +653,7 @@ impl GradientCompressor {
         self.staleness.reset();
         self.adam_m.clear();
         self.server = None;
+        self.sparse = None;
         self.warm_q = None;
         if let Some(c) = &mut self.codec {
             c.reset();
@@ -633,3 +664,4 @@ impl GradientCompressor {
 
 mod config;
 mod paths;
+mod sparse;

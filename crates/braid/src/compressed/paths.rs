@@ -1,17 +1,18 @@
 //! The compressed all-reduce's ways through the network, one per codec family (see the parent
 //! module): dense, sum-closed, PowerSGD's power iteration, sparse all-gather with the dense switch,
-//! and the two-phase scheme.
+//! and the two-phase scheme (the sparse reduce-scatter is in `sparse.rs`).
 
 use std::ops::Range;
 
 use braid_compress::{build_codec, l2_norm, Compressed, Payload, Staleness, Stats};
 use braid_core::{DType, Error, ReduceOp};
 use braid_sched::partition;
+use braid_sched::sparse::SparseRoute;
 use tracing::{debug, warn};
 
 use super::{
-    codec_error, shard_seed, AdamSend, ClipScope, CodecSpec, CompressedPath, CompressedReport,
-    GradientCompressor, Output, PathOf, HEADER,
+    codec_error, shard_seed, sparse_model, AdamSend, ClipScope, CodecSpec, CompressedPath,
+    CompressedReport, GradientCompressor, Output, PathOf, HEADER,
 };
 use crate::{Collective, Communicator};
 
@@ -53,7 +54,7 @@ fn quant_bytes(spec: CodecSpec, len: usize) -> Result<usize, Error> {
 }
 
 /// A broken invariant of the compressed paths (a bug), as an error rather than a panic.
-fn internal(what: String) -> Error {
+pub(super) fn internal(what: String) -> Error {
     Error::Internal(format!("compressed all-reduce: {what}"))
 }
 
@@ -286,7 +287,7 @@ impl Communicator {
 
     /// Bytes this rank sends in an all-reduce of `count` elements of `dtype`, as the schedule braid picks
     /// sends them.
-    fn all_reduce_sent(&self, count: usize, dtype: DType) -> u64 {
+    pub(super) fn all_reduce_sent(&self, count: usize, dtype: DType) -> u64 {
         let n = self.world_size();
         if n == 1 || count == 0 {
             return 0;
@@ -309,14 +310,14 @@ impl Communicator {
     }
 
     /// Bytes this rank sends in an all-gather or all-to-all of `block` bytes per rank.
-    fn gather_sent(&self, block: usize) -> u64 {
+    pub(super) fn gather_sent(&self, block: usize) -> u64 {
         ((self.world_size() - 1) * block) as u64
     }
 
     /// Peers disagree about the compressed call at `step`.
     /// A disagreement between ranks, which leaves the communicator unusable (sticky, and the peers are
     /// told), as every non-argument error does.
-    fn mismatch(&self, peer: usize, step: u64, detail: String) -> Error {
+    pub(super) fn mismatch(&self, peer: usize, step: u64, detail: String) -> Error {
         let e = Error::Mismatch {
             rank: self.rank(),
             peer,
@@ -513,12 +514,18 @@ impl Communicator {
                 ),
             ));
         }
-        let total: u64 = counts.iter().sum();
-        if total as f64 > state.config.dense_switch * len as f64 {
-            grad.copy_from_slice(state.ef.last_update());
-            self.all_reduce_in_place(grad, ReduceOp::Sum)?;
-            sent += self.all_reduce_sent(len, DType::F32);
-            return Ok((stats, CompressedPath::SparseDenseSwitch, sent));
+        let cfg = &state.config;
+        match sparse_model::choose(cfg.sparse_path, len, &counts, cfg.dense_switch) {
+            SparseRoute::AllGather => {}
+            SparseRoute::ReduceScatter => {
+                return self.sparse_reduce_scatter(grad, state, c, &counts, stats, sent)
+            }
+            SparseRoute::Dense => {
+                grad.copy_from_slice(state.ef.last_update());
+                self.all_reduce_in_place(grad, ReduceOp::Sum)?;
+                sent += self.all_reduce_sent(len, DType::F32);
+                return Ok((stats, CompressedPath::SparseDenseSwitch, sent));
+            }
         }
         let bytes = |k: u64| HEADER + 4 + 8 * k as usize;
         let block = bytes(counts.iter().copied().max().unwrap_or(0));

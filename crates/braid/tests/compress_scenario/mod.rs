@@ -3,9 +3,14 @@
 //! and panics with a message naming the case when a check fails; it returns the number of checks made.
 #![allow(dead_code)]
 
-use braid::braid_compress::{l2_norm, Codec, ErrorFeedback, ThresholdTopK, TopK};
+use braid::braid_compress::{
+    k_for_density, l2_norm, top_k, Codec, Compressed, ErrorFeedback, Payload, ThresholdTopK, TopK,
+    Transport,
+};
+use braid::compressed::sparse_model::{self, Partition, SparseRoute};
 use braid::{
-    CodecSpec, Communicator, CompressedPath, CompressionConfig, DType, GradientCompressor, ReduceOp,
+    CodecSpec, Communicator, CompressedPath, CompressionConfig, DType, GradientCompressor,
+    ReduceOp, SparsePath,
 };
 
 /// Elements per tensor: odd, and not a multiple of any block size used below.
@@ -130,17 +135,45 @@ pub fn cases() -> Vec<CompressionConfig> {
     .into_iter()
     .map(config)
     .collect();
-    // Density 1 with the switch off: the sparse all-gather of everything.
+    // Density 1 with the switch off: the sparse all-gather (or reduce-scatter) of everything.
     v.push(CompressionConfig {
+        dense_switch: f64::INFINITY,
+        ..config(CodecSpec::TopK { density: 1.0 })
+    });
+    // Each sparse way forced, whatever the traffic model would pick for the world at hand.
+    for (path, codec) in [
+        (SparsePath::AllGather, CodecSpec::TopK { density: 0.1 }),
+        (SparsePath::ReduceScatter, CodecSpec::TopK { density: 0.1 }),
+        (
+            SparsePath::ReduceScatter,
+            CodecSpec::ThresholdTopK { density: 0.05 },
+        ),
+    ] {
+        v.push(CompressionConfig {
+            sparse_path: path,
+            ..config(codec)
+        });
+    }
+    v.push(CompressionConfig {
+        sparse_path: SparsePath::ReduceScatter,
         dense_switch: f64::INFINITY,
         ..config(CodecSpec::TopK { density: 1.0 })
     });
     v
 }
 
-/// The sum of `k` elements per rank exceeds the switch.
-fn switches(cfg: &CompressionConfig, world: usize, k: usize) -> bool {
-    (world * k) as f64 > cfg.dense_switch * LEN as f64
+/// The path top-k takes when every one of `world` ranks selects `k` pairs.
+fn sparse_path(cfg: &CompressionConfig, world: usize, k: usize) -> CompressedPath {
+    match sparse_model::choose(
+        cfg.sparse_path,
+        LEN,
+        &vec![k as u64; world],
+        cfg.dense_switch,
+    ) {
+        SparseRoute::AllGather => CompressedPath::SparseAllGather,
+        SparseRoute::ReduceScatter => CompressedPath::SparseReduceScatter,
+        SparseRoute::Dense => CompressedPath::SparseDenseSwitch,
+    }
 }
 
 /// Every case, both ops, [`STEPS`] calls each: results bit-identical on every rank, Avg equal to Sum
@@ -151,7 +184,10 @@ pub fn every_codec(c: &Communicator) -> usize {
     let mut checks = 0;
     for cfg in cases() {
         let spec = cfg.codec;
-        let what = format!("{spec} (dense switch {})", cfg.dense_switch);
+        let what = format!(
+            "{spec} (dense switch {}, sparse path {})",
+            cfg.dense_switch, cfg.sparse_path
+        );
         let mut sum_state = GradientCompressor::new(cfg.clone(), LEN).unwrap();
         let mut avg_state = GradientCompressor::new(cfg.clone(), LEN).unwrap();
         let exact_inputs = cfg.dense_switch.is_infinite();
@@ -200,7 +236,11 @@ pub fn every_codec(c: &Communicator) -> usize {
             // be the direct one, which sends more than a ring.)
             let saves = match spec {
                 CodecSpec::TopK { density } | CodecSpec::ThresholdTopK { density } => {
-                    density <= 0.1 && rep.path == CompressedPath::SparseAllGather
+                    density <= 0.1
+                        && matches!(
+                            rep.path,
+                            CompressedPath::SparseAllGather | CompressedPath::SparseReduceScatter
+                        )
                 }
                 CodecSpec::Int8 { .. } | CodecSpec::Sign { .. } | CodecSpec::PowerSgd { .. } => {
                     true
@@ -224,11 +264,7 @@ pub fn every_codec(c: &Communicator) -> usize {
                 CodecSpec::Dense => Some(CompressedPath::Dense),
                 CodecSpec::TopK { density } => {
                     let k = ((density as f64 * LEN as f64).round() as usize).clamp(1, LEN);
-                    Some(if switches(&cfg, n, k) {
-                        CompressedPath::SparseDenseSwitch
-                    } else {
-                        CompressedPath::SparseAllGather
-                    })
+                    Some(sparse_path(&cfg, n, k))
                 }
                 CodecSpec::ThresholdTopK { .. } => None,
                 CodecSpec::RandomK { .. } | CodecSpec::Fp16 | CodecSpec::Bf16 => {
@@ -242,7 +278,9 @@ pub fn every_codec(c: &Communicator) -> usize {
                 None => assert!(
                     matches!(
                         rep.path,
-                        CompressedPath::SparseAllGather | CompressedPath::SparseDenseSwitch
+                        CompressedPath::SparseAllGather
+                            | CompressedPath::SparseDenseSwitch
+                            | CompressedPath::SparseReduceScatter
                     ),
                     "{what}: {:?}",
                     rep.path
@@ -282,7 +320,29 @@ pub fn every_codec(c: &Communicator) -> usize {
                     )),
                     _ => None,
                 };
-                if let Some(u) = local {
+                if let (Some(u), CompressedPath::SparseReduceScatter) = (&local, rep.path) {
+                    // Each range's owner kept part of the rank-ordered sum of its range, exactly (no
+                    // error has accumulated yet), about k pairs in all.
+                    let want = ordered_sum(&gather(c, u));
+                    let kept = x.iter().filter(|v| **v != 0.0).count();
+                    // Pairs selected per rank: top-k's k (zeros included), threshold top-k's non-zeros.
+                    let k = match spec {
+                        CodecSpec::TopK { density } => Some(k_for_density(LEN, density)),
+                        _ => gather(c, u)
+                            .iter()
+                            .map(|u| u.iter().filter(|v| **v != 0.0).count())
+                            .max(),
+                    };
+                    assert!(
+                        x.iter().zip(&want).all(|(a, b)| *a == 0.0 || a == b),
+                        "{what}: kept values differ from the sum of the local updates"
+                    );
+                    assert!(
+                        kept <= k.unwrap_or(0) + n,
+                        "{what}: kept {kept} pairs, selected {k:?} per rank"
+                    );
+                    checks += 1;
+                } else if let Some(u) = local {
                     let want = if rep.path == CompressedPath::SparseAllGather {
                         ordered_sum(&gather(c, &u))
                     } else {
@@ -326,8 +386,9 @@ pub fn every_codec(c: &Communicator) -> usize {
             for e in gather(c, sum_state.error()) {
                 left.iter_mut().zip(&e).for_each(|(l, v)| *l += *v as f64);
             }
-            if matches!(spec, CodecSpec::Int8 { .. } | CodecSpec::Sign { .. }) {
-                let shards = gather_concat(c, sum_state.shard_error());
+            let shards = gather_concat(c, sum_state.shard_error());
+            if matches!(spec, CodecSpec::Int8 { .. } | CodecSpec::Sign { .. }) || !shards.is_empty()
+            {
                 assert_eq!(
                     shards.len(),
                     LEN,
@@ -583,8 +644,6 @@ pub fn tiny_tensors(c: &Communicator) -> usize {
     checks
 }
 
-/// Momentum correction, density warm-up, global clipping and Adam-safe compression, each against a
-/// reference computed here from every rank's gradients.
 /// `got` and `want` are the same bits; otherwise the first difference is named (not whole vectors).
 fn same(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
@@ -596,6 +655,8 @@ fn same(got: &[f32], want: &[f32], what: &str) {
     }
 }
 
+/// Momentum correction, density warm-up, global clipping and Adam-safe compression, each against a
+/// reference computed here from every rank's gradients.
 pub fn modes(c: &Communicator) -> usize {
     let (n, rank) = (c.world_size(), c.rank());
     let mut checks = 0;
@@ -755,4 +816,220 @@ pub fn modes(c: &Communicator) -> usize {
         }
     }
     checks
+}
+
+/// Exactly `k` of the largest magnitudes ([`top_k`]): the range owner's re-selection, as a codec.
+struct Keep(usize);
+
+impl Codec for Keep {
+    fn name(&self) -> String {
+        format!("keep {}", self.0)
+    }
+    fn transport(&self) -> Transport {
+        Transport::Gather
+    }
+    fn compress(&mut self, grad: &[f32], _step: u64) -> Compressed {
+        top_k(grad, self.0)
+    }
+}
+
+/// The sparse reduce-scatter of every rank computed on one rank, on whole tensors: each rank's error
+/// feedback and top-k, each range's rank-ordered sum, second error buffer and quota, the next partition
+/// from the load, and what leaves a range going back to its owner's local error buffer.
+struct SparseReference {
+    local: Vec<ErrorFeedback>,
+    codecs: Vec<TopK>,
+    partition: Partition,
+    ranges: Vec<ErrorFeedback>,
+}
+
+/// What one reference step gives: the result, and each rank's pairs sent to other ranks and quota.
+struct SparseStep {
+    result: Vec<f32>,
+    off_rank: Vec<u64>,
+    quotas: Vec<u64>,
+    counts: Vec<u64>,
+}
+
+impl SparseReference {
+    fn new(n: usize, density: f32) -> Self {
+        let partition = Partition::even(LEN, n);
+        SparseReference {
+            local: (0..n).map(|_| ErrorFeedback::new(LEN)).collect(),
+            codecs: (0..n).map(|_| TopK::new(density).unwrap()).collect(),
+            ranges: (0..n)
+                .map(|j| ErrorFeedback::new(partition.range(j).len()))
+                .collect(),
+            partition,
+        }
+    }
+
+    /// One step; `reduce_scatter` false is the all-gather way (the ranges stay as they are).
+    fn step(&mut self, grads: &[Vec<f32>], t: u64, reduce_scatter: bool) -> SparseStep {
+        let n = grads.len();
+        let mut sel = Vec::new();
+        for ((ef, codec), g) in self.local.iter_mut().zip(&mut self.codecs).zip(grads) {
+            let (c, _) = ef.step(g, codec, t).unwrap();
+            let Payload::Sparse { indices, values } = c.into_payload() else {
+                panic!("top-k is sparse")
+            };
+            sel.push((indices, values));
+        }
+        let counts: Vec<u64> = sel.iter().map(|s| s.0.len() as u64).collect();
+        let mut result = vec![0.0f32; LEN];
+        if !reduce_scatter {
+            for (i, v) in &sel {
+                i.iter().zip(v).for_each(|(i, v)| result[*i as usize] += v);
+            }
+            return SparseStep {
+                result,
+                off_rank: vec![],
+                quotas: vec![],
+                counts,
+            };
+        }
+        let p = self.partition.clone();
+        let routes: Vec<_> = sel.iter().map(|s| p.route(&s.0)).collect();
+        let mut histogram = Vec::new();
+        let mut quotas = Vec::new();
+        for j in 0..n {
+            let own = p.range(j);
+            let mut sum = vec![0.0f32; own.len()];
+            let mut load = 0;
+            let mut h = [0u64; sparse_model::HISTOGRAM_BUCKETS];
+            for (s, rt) in sel.iter().zip(&routes) {
+                for e in rt[j].clone() {
+                    sum[s.0[e] as usize - own.start] += s.1[e];
+                }
+                load += rt[j].len() as u64;
+                let part = p.histogram(j, s.0[rt[j].clone()].iter().copied());
+                h.iter_mut().zip(part).for_each(|(a, x)| *a += x);
+            }
+            histogram.extend(h);
+            let q = sparse_model::quota(load, n, own.len());
+            quotas.push(q);
+            let (kept, _) = self.ranges[j].step(&sum, &mut Keep(q as usize), t).unwrap();
+            let mut dense = vec![0.0f32; own.len()];
+            kept.decompress(&mut dense).unwrap();
+            result[own].copy_from_slice(&dense);
+        }
+        let next = p.rebalance(&histogram);
+        for j in 0..n {
+            let (old, new) = (p.range(j), next.range(j));
+            let mut ef = ErrorFeedback::new(new.len());
+            for (i, e) in old.zip(&self.ranges[j].error) {
+                if new.contains(&i) {
+                    ef.error[i - new.start] = *e;
+                } else {
+                    self.local[j].error[i] += *e;
+                }
+            }
+            self.ranges[j] = ef;
+        }
+        self.partition = next;
+        SparseStep {
+            result,
+            off_rank: (0..n)
+                .map(|r| counts[r] - routes[r][r].len() as u64)
+                .collect(),
+            quotas,
+            counts,
+        }
+    }
+}
+
+/// The sparse reduce-scatter against [`SparseReference`], bit for bit, over several steps (the
+/// partition moving with the load): the result, this rank's local and second error buffers, the path
+/// the traffic model picks, and the bytes sent exactly as `braid_sched::sparse` counts them.
+pub fn sparse_reduce_scatter(c: &Communicator) -> usize {
+    let (n, me) = (c.world_size(), c.rank());
+    let mut checks = 0;
+    for (path, density) in [
+        (SparsePath::ReduceScatter, 0.1),
+        (SparsePath::ReduceScatter, 0.02),
+        (SparsePath::Auto, 0.1),
+        (SparsePath::Auto, 0.003),
+    ] {
+        let cfg = CompressionConfig {
+            sparse_path: path,
+            ..config(CodecSpec::TopK { density })
+        };
+        let mut st = GradientCompressor::new(cfg.clone(), LEN).unwrap();
+        let mut re = SparseReference::new(n, density);
+        for t in 0..4 {
+            let what = format!("topk:{density}, sparse path {path}, step {t} on {n} ranks");
+            // A band of larger gradients that moves between steps, so the partition has to follow.
+            let grads: Vec<Vec<f32>> = (0..n)
+                .map(|r| {
+                    let mut g = gradient(r, t, LEN);
+                    let band = (t as usize * 400)..(t as usize * 400 + 600);
+                    g[band].iter_mut().for_each(|x| *x *= 10.0);
+                    g
+                })
+                .collect();
+            let k = k_for_density(LEN, density) as u64;
+            let route = sparse_model::choose(path, LEN, &vec![k; n], cfg.dense_switch);
+            let want = re.step(&grads, t, route == SparseRoute::ReduceScatter);
+            assert!(want.counts.iter().all(|x| *x == k), "{what}");
+            let mut x = grads[me].clone();
+            let rep = c
+                .all_reduce_compressed(&mut x, ReduceOp::Sum, &mut st)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_identical(c, &x, &what);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert!(
+                bits(&x) == bits(&want.result),
+                "{what}: differs from the reference"
+            );
+            assert!(
+                bits(st.error()) == bits(&re.local[me].error),
+                "{what}: local error buffer"
+            );
+            let ag = sparse_model::all_gather_bytes(&want.counts);
+            match route {
+                SparseRoute::ReduceScatter => {
+                    assert_eq!(rep.path, CompressedPath::SparseReduceScatter, "{what}");
+                    assert!(
+                        bits(st.shard_error()) == bits(&re.ranges[me].error),
+                        "{what}: second error buffer"
+                    );
+                    let bytes =
+                        sparse_model::reduce_scatter_bytes(n, want.off_rank[me], want.quotas[me]);
+                    assert_eq!(rep.sent_bytes, bytes, "{what}: bytes sent");
+                    let kept = x.iter().filter(|v| **v != 0.0).count() as u64;
+                    assert!(kept <= k + n as u64, "{what}: kept {kept} of k = {k}");
+                    // Less than a dense ring; less than gathering too once the partition has
+                    // followed the load and pairs outweigh the fixed exchanges.
+                    let balanced = t > 0 && density >= 0.1;
+                    if n >= 4 {
+                        assert!(
+                            (rep.sent_bytes < ag || !balanced)
+                                && rep.sent_bytes < rep.dense_sent_bytes,
+                            "{what}: {} bytes, all-gather {ag}, dense {}",
+                            rep.sent_bytes,
+                            rep.dense_sent_bytes
+                        );
+                    }
+                }
+                SparseRoute::AllGather => {
+                    assert_eq!(rep.path, CompressedPath::SparseAllGather, "{what}");
+                    assert_eq!(rep.sent_bytes, ag, "{what}: bytes sent");
+                    assert!(st.shard_error().is_empty(), "{what}");
+                }
+                SparseRoute::Dense => panic!("{what}: no case here goes dense"),
+            }
+            checks += 1;
+        }
+    }
+    // Auto's choice at this size: gathering on one or two ranks, the reduce-scatter from three on
+    // (at 0.3%, gathering 9 pairs per rank costs less than the reduce-scatter's fixed exchanges up
+    // to a few ranks).
+    let k = k_for_density(LEN, 0.1) as u64;
+    let auto = sparse_model::choose(SparsePath::Auto, LEN, &vec![k; n], 0.5);
+    assert_eq!(
+        auto == SparseRoute::ReduceScatter,
+        n >= 3,
+        "auto on {n} ranks: {auto:?}"
+    );
+    checks + 1
 }
