@@ -11,8 +11,8 @@ use braid_sched::sparse::SparseRoute;
 use tracing::{debug, warn};
 
 use super::{
-    codec_error, shard_seed, sparse_model, AdamSend, ClipScope, CodecSpec, CompressedPath,
-    CompressedReport, GradientCompressor, Output, PathOf, HEADER,
+    codec_error, shard_seed, sparse_model, AdamSafe, AdamSend, ClipScope, CodecSpec,
+    CompressedPath, CompressedReport, GradientCompressor, Output, PathOf, HEADER,
 };
 use crate::{Collective, Communicator};
 
@@ -164,42 +164,14 @@ impl Communicator {
             (ClipScope::Global, Some(max)) if len > 0 => Some(max),
             _ => None,
         };
-        // Clipping before compression where error feedback does not do it: global clipping on a
-        // compressing path (every rank scales by the bound the local norms give), and Adam-safe
-        // compression, which clips the gradient before it enters the first moment.
-        let mut pre_clip = None;
-        let mut clip_sent = 0;
-        if path != CompressedPath::Dense {
-            if let Some(max) = global_clip {
-                let local = l2_norm(grad);
-                let mut total = [local];
-                self.all_reduce_in_place(&mut total, ReduceOp::Sum)?;
-                clip_sent = self.all_reduce_sent(1, DType::F64);
-                let bound = if op == ReduceOp::Avg {
-                    total[0] / n as f64
-                } else {
-                    total[0]
-                };
-                pre_clip = Some((local, clip_scale(Some(max), bound)));
-            } else if adam.is_some() {
-                let local = l2_norm(grad);
-                pre_clip = Some((local, clip_scale(state.config.local_clip(), local)));
-            }
-            if let Some((_, scale)) = pre_clip.filter(|(_, s)| *s != 1.0) {
-                grad.iter_mut().for_each(|x| *x *= scale);
-            }
-        }
+        let (pre_clip, clip_sent) = if path == CompressedPath::Dense {
+            (None, 0)
+        } else {
+            self.clip_before_compressing(grad, op, state, global_clip)?
+        };
         let send_moment = adam.is_some_and(|a| a.send.resolve(spec) == AdamSend::Moment);
         if let Some(a) = adam {
-            if state.adam_m.len() != len {
-                state.adam_m = braid_core::alloc::filled(0.0f32, len, "Adam-safe first moment")?;
-            }
-            if !adam_dense && send_moment {
-                let b = a.beta1;
-                for (g, m) in grad.iter_mut().zip(&state.adam_m) {
-                    *g = b * *m + (1.0 - b) * *g;
-                }
-            }
+            adam_before(state, grad, a, !adam_dense && send_moment)?;
         }
         let (mut stats, path, mut sent) = if len == 0 {
             let stats = stats_for(&mut state.staleness, &[], (0.0, 1.0, 0.0, 0.0), 0)?;
@@ -230,21 +202,10 @@ impl Communicator {
             }
             stats.clip_scale = scale;
         }
-        let mut output = Output::Gradient;
-        if let Some(a) = adam {
-            if adam_dense || !send_moment {
-                let b = a.beta1;
-                for (m, g) in state.adam_m.iter_mut().zip(grad.iter()) {
-                    *m = b * *m + (1.0 - b) * *g;
-                }
-            } else {
-                state.adam_m.copy_from_slice(grad);
-            }
-            if !adam_dense {
-                grad.copy_from_slice(&state.adam_m);
-                output = Output::Momentum;
-            }
-        }
+        let output = match adam {
+            Some(a) => adam_after(state, grad, a, adam_dense, send_moment),
+            None => Output::Gradient,
+        };
         state.step += 1;
         let dense_sent_bytes = (2 * (n as u64 - 1) * 4 * len as u64) / n as u64;
         // Past the warm-up, Adam-safe compression freezes the second moment that low density miscalibrates.
@@ -283,6 +244,43 @@ impl Communicator {
             scheduled_density,
             output,
         })
+    }
+
+    /// Clipping before compression where error feedback does not do it: global clipping on a compressing
+    /// path (every rank scales by the bound the ranks' local norms give, one 8-byte all-reduce), and
+    /// Adam-safe compression, which clips the gradient before it enters the first moment. Returns the
+    /// local norm and the factor applied (for the statistics), and the bytes the norms' all-reduce sent.
+    fn clip_before_compressing(
+        &self,
+        grad: &mut [f32],
+        op: ReduceOp,
+        state: &GradientCompressor,
+        global_clip: Option<f32>,
+    ) -> Result<(Option<(f64, f32)>, u64), Error> {
+        let local = l2_norm(grad);
+        let (scale, sent) = match global_clip {
+            Some(max) => {
+                let mut total = [local];
+                self.all_reduce_in_place(&mut total, ReduceOp::Sum)?;
+                let bound = if op == ReduceOp::Avg {
+                    total[0] / self.world_size() as f64
+                } else {
+                    total[0]
+                };
+                (
+                    clip_scale(Some(max), bound),
+                    self.all_reduce_sent(1, DType::F64),
+                )
+            }
+            None if state.config.adam.is_some() => {
+                (clip_scale(state.config.local_clip(), local), 0)
+            }
+            None => return Ok((None, 0)),
+        };
+        if scale != 1.0 {
+            grad.iter_mut().for_each(|x| *x *= scale);
+        }
+        Ok((Some((local, scale)), sent))
     }
 
     /// Bytes this rank sends in an all-reduce of `count` elements of `dtype`, as the schedule braid picks
@@ -664,4 +662,48 @@ fn local_step(
         .ef
         .step(grad, &mut **codec, state.step)
         .map_err(codec_error)
+}
+
+/// Adam-safe compression before the path: the first moment's buffer, and past the warm-up with
+/// `send_moment`, the local first moment `β1·m + (1−β1)·g` in place of the gradient.
+fn adam_before(
+    state: &mut GradientCompressor,
+    grad: &mut [f32],
+    a: AdamSafe,
+    send_moment: bool,
+) -> Result<(), Error> {
+    if state.adam_m.len() != grad.len() {
+        state.adam_m = braid_core::alloc::filled(0.0f32, grad.len(), "Adam-safe first moment")?;
+    }
+    if send_moment {
+        let b = a.beta1;
+        for (g, m) in grad.iter_mut().zip(&state.adam_m) {
+            *g = b * *m + (1.0 - b) * *g;
+        }
+    }
+    Ok(())
+}
+
+/// Adam-safe compression after the path: the first moment from the averaged result (the result itself
+/// when it was the moment that travelled), returned in `grad` past the warm-up.
+fn adam_after(
+    state: &mut GradientCompressor,
+    grad: &mut [f32],
+    a: AdamSafe,
+    warming_up: bool,
+    sent_moment: bool,
+) -> Output {
+    if warming_up || !sent_moment {
+        let b = a.beta1;
+        for (m, g) in state.adam_m.iter_mut().zip(grad.iter()) {
+            *m = b * *m + (1.0 - b) * *g;
+        }
+    } else {
+        state.adam_m.copy_from_slice(grad);
+    }
+    if warming_up {
+        return Output::Gradient;
+    }
+    grad.copy_from_slice(&state.adam_m);
+    Output::Momentum
 }
