@@ -383,30 +383,7 @@ fn validate(len: usize, payload: &Payload) -> Result<(), Bad> {
                     ),
                 );
             }
-            if rank > rows.min(cols) {
-                return bad(
-                    h + 8,
-                    format!("rank {rank} exceeds min(rows, cols) = {}", rows.min(cols)),
-                );
-            }
-            if Some(p.len()) != rows.checked_mul(rank) {
-                return bad(
-                    h + 12,
-                    format!(
-                        "P has {} elements, expected rows·rank = {rows}·{rank}",
-                        p.len()
-                    ),
-                );
-            }
-            if Some(q.len()) != cols.checked_mul(rank) {
-                return bad(
-                    h + 12 + 4 * p.len(),
-                    format!(
-                        "Q has {} elements, expected cols·rank = {cols}·{rank}",
-                        q.len()
-                    ),
-                );
-            }
+            check_factors((rows, cols, rank), (p.len(), q.len()), h + 8)?;
         }
         Payload::Layered(pieces) => {
             if pieces.len() > u32::MAX as usize {
@@ -459,31 +436,36 @@ fn check_piece(piece: &Piece, at: usize) -> Result<(), Bad> {
             if rows == 0 || cols == 0 {
                 return bad(at + 1, format!("a {rows} × {cols} matrix has no elements"));
             }
-            if rank > rows.min(cols) {
-                return bad(
-                    at + 9,
-                    format!("rank {rank} exceeds min(rows, cols) = {}", rows.min(cols)),
-                );
-            }
-            if Some(p.len()) != rows.checked_mul(rank) {
-                return bad(
-                    at + 13,
-                    format!(
-                        "P has {} elements, expected rows·rank = {rows}·{rank}",
-                        p.len()
-                    ),
-                );
-            }
-            if Some(q.len()) != cols.checked_mul(rank) {
-                return bad(
-                    at + 13 + 4 * p.len(),
-                    format!(
-                        "Q has {} elements, expected cols·rank = {cols}·{rank}",
-                        q.len()
-                    ),
-                );
-            }
+            check_factors((rows, cols, rank), (p.len(), q.len()), at + 9)?;
         }
+    }
+    Ok(())
+}
+
+/// Checks the factors of a `rows × cols` matrix of rank `rank`: the rank fits and P and Q have
+/// `rows·rank` and `cols·rank` elements. `rank_at` is the byte of the rank field; P follows 4 bytes on.
+fn check_factors(
+    (rows, cols, rank): (usize, usize, usize),
+    (p, q): (usize, usize),
+    rank_at: usize,
+) -> Result<(), Bad> {
+    if rank > rows.min(cols) {
+        return bad(
+            rank_at,
+            format!("rank {rank} exceeds min(rows, cols) = {}", rows.min(cols)),
+        );
+    }
+    if Some(p) != rows.checked_mul(rank) {
+        return bad(
+            rank_at + 4,
+            format!("P has {p} elements, expected rows·rank = {rows}·{rank}"),
+        );
+    }
+    if Some(q) != cols.checked_mul(rank) {
+        return bad(
+            rank_at + 4 + 4 * p,
+            format!("Q has {q} elements, expected cols·rank = {cols}·{rank}"),
+        );
     }
     Ok(())
 }

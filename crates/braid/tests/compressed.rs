@@ -4,6 +4,8 @@
 #[path = "compress_scenario/mod.rs"]
 mod scenario;
 
+use scenario::with_ranks;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,14 +13,6 @@ use braid::{
     CodecSpec, Communicator, CompressionConfig, Config, Error, GradientCompressor, UniqueId,
 };
 use proptest::prelude::*;
-
-/// Runs `f` on `n` ranks, each a thread with its own communicator (with debug checks).
-fn with_ranks<R: Send + 'static>(
-    n: usize,
-    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
-) -> Vec<R> {
-    with_ranks_checked(n, true, f)
-}
 
 fn with_ranks_checked<R: Send + 'static>(
     n: usize,

@@ -6,42 +6,12 @@
 #[path = "compress_scenario/mod.rs"]
 mod scenario;
 
-use std::sync::Arc;
-use std::time::Duration;
-
 use braid::braid_compress::power_sgd::{multiply, multiply_transposed, orthogonalize};
 use braid::braid_compress::rng::{Stream, TAG_POWER_SGD};
-use braid::{
-    CodecSpec, Communicator, CompressedPath, CompressionConfig, Config, Error, GradientCompressor,
-    ReduceOp, UniqueId,
-};
-use scenario::{assert_identical, gradient};
+use braid::{CodecSpec, CompressedPath, CompressionConfig, Error, GradientCompressor, ReduceOp};
+use scenario::{assert_identical, gradient, with_ranks};
 
 const SEED: u64 = 11;
-
-/// Runs `f` on `n` ranks, each a thread with its own communicator (debug checks on).
-fn with_ranks<R: Send + 'static>(
-    n: usize,
-    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
-) -> Vec<R> {
-    let id = UniqueId::new().unwrap();
-    let cfg = Config {
-        timeout: Duration::from_secs(60),
-        debug_checks: true,
-        ..Config::default()
-    };
-    let f = Arc::new(f);
-    let handles: Vec<_> = (0..n)
-        .map(|r| {
-            let (id, cfg, f) = (id.clone(), cfg.clone(), f.clone());
-            std::thread::spawn(move || f(Communicator::init(n, r, &id, cfg).expect("init")))
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread"))
-        .collect()
-}
 
 fn powersgd(rank: usize, layers: &[Vec<usize>]) -> CompressionConfig {
     CompressionConfig {

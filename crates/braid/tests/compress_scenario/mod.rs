@@ -13,6 +13,30 @@ use braid::{
     ReduceOp, SparsePath,
 };
 
+/// Runs `f` on `n` ranks, each a thread of this process with its own communicator (debug checks on).
+pub fn with_ranks<R: Send + 'static>(
+    n: usize,
+    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let id = braid::UniqueId::new().unwrap();
+    let cfg = braid::Config {
+        timeout: std::time::Duration::from_secs(60),
+        debug_checks: true,
+        ..braid::Config::default()
+    };
+    let f = std::sync::Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|r| {
+            let (id, cfg, f) = (id.clone(), cfg.clone(), f.clone());
+            std::thread::spawn(move || f(Communicator::init(n, r, &id, cfg).expect("init")))
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread"))
+        .collect()
+}
+
 /// Elements per tensor: odd, and not a multiple of any block size used below.
 pub const LEN: usize = 3001;
 /// Compressed all-reduces per case.
