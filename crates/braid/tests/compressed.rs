@@ -4,39 +4,10 @@
 #[path = "compress_scenario/mod.rs"]
 mod scenario;
 
-use scenario::with_ranks;
+use scenario::{with_ranks, with_ranks_checked};
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use braid::{
-    CodecSpec, Communicator, CompressionConfig, Config, Error, GradientCompressor, UniqueId,
-};
+use braid::{CodecSpec, CompressionConfig, Error, GradientCompressor};
 use proptest::prelude::*;
-
-fn with_ranks_checked<R: Send + 'static>(
-    n: usize,
-    debug_checks: bool,
-    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
-) -> Vec<R> {
-    let id = UniqueId::new().unwrap();
-    let cfg = Config {
-        timeout: Duration::from_secs(60),
-        debug_checks,
-        ..Config::default()
-    };
-    let f = Arc::new(f);
-    let handles: Vec<_> = (0..n)
-        .map(|r| {
-            let (id, cfg, f) = (id.clone(), cfg.clone(), f.clone());
-            std::thread::spawn(move || f(Communicator::init(n, r, &id, cfg).expect("init")))
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread"))
-        .collect()
-}
 
 #[test]
 fn every_codec_on_one_two_and_three_ranks() {

@@ -18,10 +18,19 @@ pub fn with_ranks<R: Send + 'static>(
     n: usize,
     f: impl Fn(Communicator) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
+    with_ranks_checked(n, true, f)
+}
+
+/// [`with_ranks`] with debug checks on or off.
+pub fn with_ranks_checked<R: Send + 'static>(
+    n: usize,
+    debug_checks: bool,
+    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
+) -> Vec<R> {
     let id = braid::UniqueId::new().unwrap();
     let cfg = braid::Config {
         timeout: std::time::Duration::from_secs(60),
-        debug_checks: true,
+        debug_checks,
         ..braid::Config::default()
     };
     let f = std::sync::Arc::new(f);
