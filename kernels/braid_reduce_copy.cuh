@@ -55,7 +55,7 @@ BRAID_HD X ld_elem(const unsigned char* p) {
     unsigned long long u;
     X x;
   } v;
-  if (ALIGNED) {
+  if (ALIGNED || sizeof(X) == 1) {
 #ifdef __CUDA_ARCH__
     v.x = *(const X*)p;
 #else
@@ -77,7 +77,7 @@ BRAID_HD void st_elem(unsigned char* p, X x) {
   } v;
   v.u = 0;
   v.x = x;
-  if (ALIGNED) {
+  if (ALIGNED || sizeof(X) == 1) {
 #ifdef __CUDA_ARCH__
     *(X*)p = v.x;
 #else
@@ -114,8 +114,10 @@ struct ReduceCopy {
     G = 16 / (int)sizeof(T),  // elements per pack of T
     // Packs per thread in flight on the main path, bounded by the registers the partials take: one-byte
     // types hold 16 partials a pack; an avg of 8-byte values calls a division routine per element, and
-    // keeping 4 packs live across those calls spills.
-    U = sizeof(T) == 1 ? 2 : (OP == OP_AVG && sizeof(A) == 8 ? 1 : RC_UNROLL)
+    // keeping 4 packs live across those calls spills. (ptxas 13.5 also spills the two-destination u8
+    // max/min kernels for sm_80 at 2 packs, with 40 registers in use: one-byte, two-destination kernels
+    // keep one pack.)
+    U = sizeof(T) == 1 ? (ND > 1 ? 1 : 2) : (OP == OP_AVG && sizeof(A) == 8 ? 1 : RC_UNROLL)
   };
 
   static BRAID_HD bool src_acc(int i) { return (SACC >> i) & 1u; }

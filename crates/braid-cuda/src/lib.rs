@@ -27,7 +27,10 @@ pub const SOURCES: [(&str, &str); 3] = [
         "braid_reduce_copy.cuh",
         include_str!("../../../kernels/braid_reduce_copy.cuh"),
     ),
-    ("reduce_copy.cu", include_str!("../../../kernels/reduce_copy.cu")),
+    (
+        "reduce_copy.cu",
+        include_str!("../../../kernels/reduce_copy.cu"),
+    ),
 ];
 
 /// The numbers of sources reduced by the [`Shape::Ordered`] kernels of the catalogue.
@@ -146,7 +149,11 @@ pub fn catalogue() -> Vec<String> {
     let mut names = Vec::new();
     for dtype in DType::ALL {
         for shape in Shape::all() {
-            let ops: &[ReduceOp] = if shape.uses_op() { &ReduceOp::ALL } else { &[ReduceOp::Sum] };
+            let ops: &[ReduceOp] = if shape.uses_op() {
+                &ReduceOp::ALL
+            } else {
+                &[ReduceOp::Sum]
+            };
             for &op in ops {
                 if let Ok(n) = kernel_name(shape, dtype, op) {
                     names.push(n);
@@ -176,7 +183,12 @@ mod tests {
         // Every shape of the catalogue is spelled in the header with its operand masks.
         let header = SOURCES[1].1;
         for shape in Shape::all() {
-            let mask = |v: Vec<bool>| v.iter().enumerate().map(|(i, &a)| u32::from(a) << i).sum::<u32>();
+            let mask = |v: Vec<bool>| {
+                v.iter()
+                    .enumerate()
+                    .map(|(i, &a)| u32::from(a) << i)
+                    .sum::<u32>()
+            };
             let (s, d) = (shape.sources(), shape.destinations());
             let line = format!(
                 "{}, dt, T, {}{}, {:#x}u, {}, {:#x}u)",
@@ -186,9 +198,11 @@ mod tests {
                 mask(s),
                 d.len(),
                 mask(d)
-            )
-            ;
-            assert!(header.contains(&line), "{shape:?}: {line} not in braid_reduce_copy.cuh");
+            );
+            assert!(
+                header.contains(&line),
+                "{shape:?}: {line} not in braid_reduce_copy.cuh"
+            );
         }
     }
 }

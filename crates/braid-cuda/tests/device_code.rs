@@ -38,7 +38,9 @@ fn parse_ptxas(text: &str, reports: &mut BTreeMap<String, Report>) {
             current = Some(rest.trim().to_string());
             continue;
         }
-        let Some(name) = current.clone() else { continue };
+        let Some(name) = current.clone() else {
+            continue;
+        };
         let r = reports.entry(name).or_default();
         if line.contains("stack frame") {
             r.stack = number_before(line, "bytes stack frame");
@@ -68,7 +70,9 @@ fn parse_sass(text: &str, reports: &mut BTreeMap<String, Report>) {
         let Some(name) = &current else { continue };
         let r = reports.entry(name.clone()).or_default();
         // Lines look like `/*0060*/   LDG.E.128 R4, desc[UR4][R4.64] ;  /* 0x... */`.
-        let Some(code) = line.split("*/").nth(1) else { continue };
+        let Some(code) = line.split("*/").nth(1) else {
+            continue;
+        };
         let Some(op) = code.split_whitespace().find(|t| !t.starts_with('@')) else {
             continue;
         };
@@ -103,10 +107,15 @@ fn check_arch(arch: &str) {
         .arg(kernels_dir().join("reduce_copy.cu"))
         .output()
         .expect("running nvcc");
-    let ptxas = String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
+    let ptxas =
+        String::from_utf8_lossy(&out.stderr).into_owned() + &String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "nvcc for {arch} failed:\n{ptxas}");
     let compile = started.elapsed();
-    let sass = Command::new(&cuobjdump).arg("-sass").arg(&cubin).output().expect("running cuobjdump");
+    let sass = Command::new(&cuobjdump)
+        .arg("-sass")
+        .arg(&cubin)
+        .output()
+        .expect("running cuobjdump");
     assert!(
         sass.status.success(),
         "cuobjdump -sass failed (it needs nvdisasm: pip nvidia-cuda-nvdisasm): {}",
@@ -144,11 +153,21 @@ fn check_arch(arch: &str) {
         }
     }
     let extra: Vec<_> = reports.keys().filter(|k| !names.contains(k)).collect();
-    assert!(extra.is_empty(), "{arch}: kernels outside the catalogue: {extra:?}");
+    assert!(
+        extra.is_empty(),
+        "{arch}: kernels outside the catalogue: {extra:?}"
+    );
 
     // The summary the issue notes quote: registers and 16-byte accesses by shape and dtype.
-    println!("{arch}: {} kernels compiled in {:.1} s", names.len(), compile.as_secs_f64());
-    let regs: Vec<u32> = names.iter().filter_map(|n| reports.get(n)?.registers).collect();
+    println!(
+        "{arch}: {} kernels compiled in {:.1} s",
+        names.len(),
+        compile.as_secs_f64()
+    );
+    let regs: Vec<u32> = names
+        .iter()
+        .filter_map(|n| reports.get(n)?.registers)
+        .collect();
     println!(
         "{arch}: registers min {} max {}",
         regs.iter().min().unwrap_or(&0),
@@ -165,7 +184,12 @@ fn check_arch(arch: &str) {
             );
         }
     }
-    assert!(problems.is_empty(), "{arch}: {} problems:\n{}", problems.len(), problems.join("\n"));
+    assert!(
+        problems.is_empty(),
+        "{arch}: {} problems:\n{}",
+        problems.len(),
+        problems.join("\n")
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -192,7 +216,10 @@ fn parsers_see_spills_and_narrow_accesses() {
     parse_ptxas(ptxas, &mut r);
     parse_sass(sass, &mut r);
     let k = &r["k"];
-    assert_eq!((k.stack, k.spill_stores, k.spill_loads), (Some(24), Some(20), Some(16)));
+    assert_eq!(
+        (k.stack, k.spill_stores, k.spill_loads),
+        (Some(24), Some(20), Some(16))
+    );
     assert_eq!(k.registers, Some(255));
     assert_eq!(k.local.len(), 1);
     assert_eq!((k.ldg128, k.stg128, k.narrow_global), (0, 1, 1));

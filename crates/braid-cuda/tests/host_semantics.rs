@@ -35,8 +35,15 @@ fn build_driver(_name: &str) -> Option<PathBuf> {
 fn compile_driver(cxx: &str) -> PathBuf {
     let dir = scratch("driver");
     let exe = dir.join("driver");
-    let out = Command::new(&cxx)
-        .args(["-std=c++17", "-O0", "-Wall", "-Wextra", "-Werror", "-Wno-unknown-pragmas"])
+    let out = Command::new(cxx)
+        .args([
+            "-std=c++17",
+            "-O0",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-Wno-unknown-pragmas",
+        ])
         .args(["-fsanitize=address,undefined", "-fno-sanitize-recover=all"])
         .arg("-I")
         .arg(kernels_dir())
@@ -74,7 +81,11 @@ impl Driver {
             .expect("starting the host driver");
         let input = BufWriter::new(child.stdin.take().unwrap());
         let output = BufReader::new(child.stdout.take().unwrap());
-        Driver { child, input, output }
+        Driver {
+            child,
+            input,
+            output,
+        }
     }
 
     /// Runs kernel `name` over `threads` simulated threads; returns each destination's bytes.
@@ -110,10 +121,14 @@ impl Driver {
         }
         self.input.flush().unwrap();
         let mut status = [0u8; 4];
-        self.output
-            .read_exact(&mut status)
-            .unwrap_or_else(|e| panic!("the host driver died on {name} (a sanitizer report is above): {e}"));
-        assert_eq!(u32::from_le_bytes(status), 0, "the host driver refused {name}");
+        self.output.read_exact(&mut status).unwrap_or_else(|e| {
+            panic!("the host driver died on {name} (a sanitizer report is above): {e}")
+        });
+        assert_eq!(
+            u32::from_le_bytes(status),
+            0,
+            "the host driver refused {name}"
+        );
         dsts.iter()
             .map(|_| {
                 let mut len = [0u8; 8];
@@ -128,7 +143,10 @@ impl Driver {
     fn finish(mut self) {
         drop(self.input);
         let status = self.child.wait().unwrap();
-        assert!(status.success(), "the host driver exited with {status} (a sanitizer report is above)");
+        assert!(
+            status.success(),
+            "the host driver exited with {status} (a sanitizer report is above)"
+        );
     }
 }
 
@@ -162,7 +180,14 @@ fn data(rng: &mut Rng, dtype: DType, acc: bool, count: usize) -> Vec<u8> {
                 let v = if !special {
                     x as f32
                 } else {
-                    [f32::NAN, f32::INFINITY, -0.0, 1e-40, f32::from_bits(r as u32), 65504.0][pick as usize]
+                    [
+                        f32::NAN,
+                        f32::INFINITY,
+                        -0.0,
+                        1e-40,
+                        f32::from_bits(r as u32),
+                        65504.0,
+                    ][pick as usize]
                 };
                 out.extend(v.to_le_bytes());
             }
@@ -170,7 +195,14 @@ fn data(rng: &mut Rng, dtype: DType, acc: bool, count: usize) -> Vec<u8> {
                 let v = if !special {
                     x
                 } else {
-                    [f64::NAN, f64::NEG_INFINITY, -0.0, 1e-310, f64::from_bits(r), 3.0][pick as usize]
+                    [
+                        f64::NAN,
+                        f64::NEG_INFINITY,
+                        -0.0,
+                        1e-310,
+                        f64::from_bits(r),
+                        3.0,
+                    ][pick as usize]
                 };
                 out.extend(v.to_le_bytes());
             }
@@ -201,8 +233,19 @@ fn data(rng: &mut Rng, dtype: DType, acc: bool, count: usize) -> Vec<u8> {
 }
 
 /// braid-core's answer for `shape` (every destination gets the same bytes).
-fn reference(shape: Shape, dtype: DType, op: ReduceOp, nranks: usize, srcs: &[Vec<u8>], count: usize) -> Vec<u8> {
-    let dsize = if shape.destinations()[0] { dtype.accumulator().size() } else { dtype.size() };
+fn reference(
+    shape: Shape,
+    dtype: DType,
+    op: ReduceOp,
+    nranks: usize,
+    srcs: &[Vec<u8>],
+    count: usize,
+) -> Vec<u8> {
+    let dsize = if shape.destinations()[0] {
+        dtype.accumulator().size()
+    } else {
+        dtype.size()
+    };
     let mut out = vec![0u8; count * dsize];
     match shape {
         Shape::ToAcc => reduce::to_acc(dtype, &mut out, &srcs[0]),
@@ -257,12 +300,30 @@ fn misalign(layout: Layout, rng: &mut Rng, elem: usize, shift: u64, i: usize) ->
 fn check_kernel(d: &mut Driver, rng: &mut Rng, shape: Shape, dtype: DType, op: ReduceOp) -> usize {
     let name = kernel_name(shape, dtype, op).unwrap();
     let (sacc, dacc) = (shape.sources(), shape.destinations());
-    let size = |acc: bool| if acc { dtype.accumulator().size() } else { dtype.size() };
+    let size = |acc: bool| {
+        if acc {
+            dtype.accumulator().size()
+        } else {
+            dtype.size()
+        }
+    };
     let mut cases = 0;
     let group = 16 / dtype.size();
     // Lengths: empty, shorter than a pack, and odd lengths over the unrolled loop and its remainder.
-    let counts = [0, 1, group - 1, 4 * group * 3 + 5, 8 * group * 5 + group / 2 + 3, 1021];
-    let layouts = [Layout::Aligned, Layout::SameHead, Layout::Mismatched, Layout::Bytes];
+    let counts = [
+        0,
+        1,
+        group - 1,
+        4 * group * 3 + 5,
+        8 * group * 5 + group / 2 + 3,
+        1021,
+    ];
+    let layouts = [
+        Layout::Aligned,
+        Layout::SameHead,
+        Layout::Mismatched,
+        Layout::Bytes,
+    ];
     for (ci, &count) in counts.iter().enumerate() {
         for (li, &layout) in layouts.iter().enumerate() {
             if (ci + li) % 2 == 1 && count > group {
@@ -279,12 +340,20 @@ fn check_kernel(d: &mut Driver, rng: &mut Rng, shape: Shape, dtype: DType, op: R
                 .iter()
                 .zip(&sacc)
                 .enumerate()
-                .map(|(i, (b, &a))| Operand { misalign: misalign(layout, rng, size(a), shift, i), bytes: b.clone() })
+                .map(|(i, (b, &a))| Operand {
+                    misalign: misalign(layout, rng, size(a), shift, i),
+                    bytes: b.clone(),
+                })
                 .collect();
             let dsts: Vec<(u32, usize)> = dacc
                 .iter()
                 .enumerate()
-                .map(|(j, &a)| (misalign(layout, rng, size(a), shift, j + 1), count * size(a)))
+                .map(|(j, &a)| {
+                    (
+                        misalign(layout, rng, size(a), shift, j + 1),
+                        count * size(a),
+                    )
+                })
                 .collect();
             // combine_acc runs in place (acc is source 0 and destination 0), as the executor runs it.
             let alias = (shape == Shape::CombineAcc).then_some(0);
@@ -293,7 +362,8 @@ fn check_kernel(d: &mut Driver, rng: &mut Rng, shape: Shape, dtype: DType, op: R
             for (j, g) in got.iter().enumerate() {
                 if *g != want {
                     let es = size(dacc[j]);
-                    let first = (0..count).find(|&e| g[e * es..(e + 1) * es] != want[e * es..(e + 1) * es]);
+                    let first =
+                        (0..count).find(|&e| g[e * es..(e + 1) * es] != want[e * es..(e + 1) * es]);
                     panic!(
                         "{name}: destination {j} differs from braid-core ({count} elements, {layout:?}, \
                          {threads} threads, nranks {nranks}), first at element {first:?}: got {:02x?}, want {:02x?}",
@@ -310,14 +380,20 @@ fn check_kernel(d: &mut Driver, rng: &mut Rng, shape: Shape, dtype: DType, op: R
 
 #[test]
 fn every_kernel_matches_braid_core_bit_for_bit() {
-    let Some(exe) = build_driver("semantics") else { return };
+    let Some(exe) = build_driver("semantics") else {
+        return;
+    };
     let mut d = Driver::start(&exe);
     let mut rng = Rng(0x5eed_b4a1_d000_0001);
     let mut cases = 0;
     let mut kernels = 0;
     for dtype in DType::ALL {
         for shape in Shape::all() {
-            let ops: &[ReduceOp] = if shape.uses_op() { &ReduceOp::ALL } else { &[ReduceOp::Sum] };
+            let ops: &[ReduceOp] = if shape.uses_op() {
+                &ReduceOp::ALL
+            } else {
+                &[ReduceOp::Sum]
+            };
             for &op in ops {
                 cases += check_kernel(&mut d, &mut rng, shape, dtype, op);
                 kernels += 1;
@@ -333,13 +409,17 @@ fn every_kernel_matches_braid_core_bit_for_bit() {
 fn half_and_bfloat16_conversions_match_braid_core_exhaustively() {
     // Loading: every one of the 65536 bit patterns. Rounding: every f32 near a rounding boundary of
     // either format (halfway points, their neighbours, overflow and subnormal edges) plus random bits.
-    let Some(exe) = build_driver("conversions") else { return };
+    let Some(exe) = build_driver("conversions") else {
+        return;
+    };
     let mut d = Driver::start(&exe);
     let all: Vec<u8> = (0..=u16::MAX).flat_map(|b| b.to_le_bytes()).collect();
     let mut rng = Rng(42);
     let mut f32s: Vec<u32> = Vec::new();
     for hi in 0..=u16::MAX as u32 {
-        for lo in [0u32, 1, 0x0fff, 0x1000, 0x1001, 0x1fff, 0x7fff, 0x8000, 0x8001, 0xffff] {
+        for lo in [
+            0u32, 1, 0x0fff, 0x1000, 0x1001, 0x1fff, 0x7fff, 0x8000, 0x8001, 0xffff,
+        ] {
             f32s.push((hi << 16) | lo);
         }
         f32s.push(rng.next() as u32);
@@ -348,15 +428,41 @@ fn half_and_bfloat16_conversions_match_braid_core_exhaustively() {
     for dtype in [DType::F16, DType::BF16] {
         let n = all.len() / 2;
         let name = kernel_name(Shape::ToAcc, dtype, ReduceOp::Sum).unwrap();
-        let got = d.run(&name, 5, n, 1, &[Operand { misalign: 0, bytes: all.clone() }], &[(0, n * 4)], None);
+        let got = d.run(
+            &name,
+            5,
+            n,
+            1,
+            &[Operand {
+                misalign: 0,
+                bytes: all.clone(),
+            }],
+            &[(0, n * 4)],
+            None,
+        );
         let mut want = vec![0u8; n * 4];
         reduce::to_acc(dtype, &mut want, &all);
         for e in 0..n {
-            assert_eq!(got[0][e * 4..e * 4 + 4], want[e * 4..e * 4 + 4], "{dtype} load of bits {e:#06x}");
+            assert_eq!(
+                got[0][e * 4..e * 4 + 4],
+                want[e * 4..e * 4 + 4],
+                "{dtype} load of bits {e:#06x}"
+            );
         }
         let n = f32s.len();
         let name = kernel_name(Shape::FinishAcc, dtype, ReduceOp::Sum).unwrap();
-        let got = d.run(&name, 5, n, 1, &[Operand { misalign: 0, bytes: accs.clone() }], &[(0, n * 2)], None);
+        let got = d.run(
+            &name,
+            5,
+            n,
+            1,
+            &[Operand {
+                misalign: 0,
+                bytes: accs.clone(),
+            }],
+            &[(0, n * 2)],
+            None,
+        );
         let mut want = vec![0u8; n * 2];
         reduce::finish_acc(dtype, ReduceOp::Sum, 1, &mut want, &accs);
         for e in 0..n {
@@ -374,9 +480,18 @@ fn half_and_bfloat16_conversions_match_braid_core_exhaustively() {
 #[test]
 fn integer_avg_and_wrapping_edges_match_braid_core() {
     // The edges random data rarely hits: MIN / 1, MIN / 2, MAX + 1, MIN * -1, -1 / n for large n.
-    let Some(exe) = build_driver("edges") else { return };
+    let Some(exe) = build_driver("edges") else {
+        return;
+    };
     let mut d = Driver::start(&exe);
-    for dtype in [DType::I8, DType::U8, DType::I32, DType::U32, DType::I64, DType::U64] {
+    for dtype in [
+        DType::I8,
+        DType::U8,
+        DType::I32,
+        DType::U32,
+        DType::I64,
+        DType::U64,
+    ] {
         let s = dtype.size();
         let pattern = |v: i128| (v as u128).to_le_bytes()[..s].to_vec();
         let bits = (8 * s) as u32;
@@ -391,7 +506,16 @@ fn integer_avg_and_wrapping_edges_match_braid_core() {
         for op in ReduceOp::ALL {
             for nranks in [1u32, 2, 3, 7, 1 << 20, u32::MAX] {
                 let name = kernel_name(Shape::Finalize, dtype, op).unwrap();
-                let srcs = [Operand { misalign: 0, bytes: a.clone() }, Operand { misalign: 0, bytes: b.clone() }];
+                let srcs = [
+                    Operand {
+                        misalign: 0,
+                        bytes: a.clone(),
+                    },
+                    Operand {
+                        misalign: 0,
+                        bytes: b.clone(),
+                    },
+                ];
                 let got = d.run(&name, 2, vals.len(), nranks, &srcs, &[(0, a.len())], None);
                 let mut want = vec![0u8; a.len()];
                 reduce::finalize(dtype, op, nranks as usize, &mut want, &a, Src::Buf(&b));

@@ -55,7 +55,11 @@ pub fn cuda_tool(name: &str) -> Result<PathBuf, String> {
             return Ok(p);
         }
     }
-    if Command::new(name).arg("--version").output().is_ok_and(|o| o.status.success()) {
+    if Command::new(name)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
         return Ok(PathBuf::from(name));
     }
     Err(format!(
@@ -68,10 +72,16 @@ pub fn cuda_tool(name: &str) -> Result<PathBuf, String> {
 /// A C++ compiler: `CXX`, else `g++`.
 pub fn cxx() -> Result<String, String> {
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
-    if Command::new(&cxx).arg("--version").output().is_ok_and(|o| o.status.success()) {
+    if Command::new(&cxx)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
         Ok(cxx)
     } else {
-        Err(format!("the C++ compiler {cxx} is not installed; the host tests of the kernels need it"))
+        Err(format!(
+            "the C++ compiler {cxx} is not installed; the host tests of the kernels need it"
+        ))
     }
 }
 
