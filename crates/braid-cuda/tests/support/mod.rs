@@ -1,0 +1,94 @@
+//! What the kernel tests need from the machine: the CUDA compiler from PyPI (or a CUDA install), a C++
+//! compiler, and the `BRAID_REQUIRE_TOOLS=1` rule (a test that cannot run fails instead of passing).
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The repository's `kernels/` directory.
+pub fn kernels_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kernels")
+}
+
+/// Whether `BRAID_REQUIRE_TOOLS=1` is set.
+pub fn tools_required() -> bool {
+    std::env::var("BRAID_REQUIRE_TOOLS").is_ok_and(|v| v == "1")
+}
+
+/// A test that cannot run here because of `why`: says so and returns (the test passes without running);
+/// under `BRAID_REQUIRE_TOOLS=1` it fails, naming `why`.
+pub fn unavailable(why: &str) {
+    assert!(
+        !tools_required(),
+        "cannot run here, and BRAID_REQUIRE_TOOLS=1 requires it to: {why}"
+    );
+    println!("SKIPPED: cannot run here: {why}");
+}
+
+/// Directories that may hold the CUDA tools: `BRAID_CUDA_BIN`, then `PATH` (by returning nothing
+/// special), then the `bin/` of PyPI's CUDA 13 wheels (`nvidia-cuda-nvcc` and friends install into
+/// `site-packages/nvidia/cu13`, and their `nvcc.profile` finds `include/` and libdevice from there).
+fn cuda_bin_dirs() -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    if let Some(d) = std::env::var_os("BRAID_CUDA_BIN") {
+        dirs.push(PathBuf::from(d));
+    }
+    let py = Command::new("python3")
+        .args([
+            "-c",
+            "import nvidia, os\nfor p in nvidia.__path__: print(os.path.join(p, 'cu13', 'bin'))",
+        ])
+        .output();
+    if let Ok(o) = py {
+        for line in String::from_utf8_lossy(&o.stdout).lines() {
+            dirs.push(PathBuf::from(line.trim()));
+        }
+    }
+    dirs
+}
+
+/// The path of CUDA tool `name` (`nvcc`, `cuobjdump`), or why there is none.
+pub fn cuda_tool(name: &str) -> Result<PathBuf, String> {
+    for d in cuda_bin_dirs() {
+        let p = d.join(name);
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    if Command::new(name)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        return Ok(PathBuf::from(name));
+    }
+    Err(format!(
+        "{name} was not found (set BRAID_CUDA_BIN, put it on PATH, or `python3 -m pip install \
+         nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cuda-crt nvidia-nvvm nvidia-cuda-cuobjdump \
+         nvidia-cuda-nvdisasm`)"
+    ))
+}
+
+/// A C++ compiler: `CXX`, else `g++`.
+pub fn cxx() -> Result<String, String> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    if Command::new(&cxx)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+    {
+        Ok(cxx)
+    } else {
+        Err(format!(
+            "the C++ compiler {cxx} is not installed; the host tests of the kernels need it"
+        ))
+    }
+}
+
+/// A fresh scratch directory for one test.
+pub fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("braid-cuda-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
