@@ -144,9 +144,10 @@ pub fn kernel_name(shape: Shape, dtype: DType, op: ReduceOp) -> Result<String, E
     })
 }
 
-/// Every entry point of the catalogue, each once.
-pub fn catalogue() -> Vec<String> {
-    let mut names = Vec::new();
+/// Every (shape, dtype, op) the catalogue holds, each once: shapes that do not use the op appear with
+/// [`ReduceOp::Sum`] only.
+pub fn entries() -> Vec<(Shape, DType, ReduceOp)> {
+    let mut all = Vec::new();
     for dtype in DType::ALL {
         for shape in Shape::all() {
             let ops: &[ReduceOp] = if shape.uses_op() {
@@ -154,14 +155,18 @@ pub fn catalogue() -> Vec<String> {
             } else {
                 &[ReduceOp::Sum]
             };
-            for &op in ops {
-                if let Ok(n) = kernel_name(shape, dtype, op) {
-                    names.push(n);
-                }
-            }
+            all.extend(ops.iter().map(|&op| (shape, dtype, op)));
         }
     }
-    names
+    all
+}
+
+/// Every entry point of the catalogue, each once.
+pub fn catalogue() -> Vec<String> {
+    entries()
+        .into_iter()
+        .filter_map(|(shape, dtype, op)| kernel_name(shape, dtype, op).ok())
+        .collect()
 }
 
 #[cfg(test)]
