@@ -35,6 +35,24 @@ const BIG: usize = 4 << 20;
 // ---------------------------------------------------------------------------------------------------
 // Rank side.
 
+/// The transports the harness-side cases run over: `BRAID_TEST_TRANSPORTS` (comma-separated, e.g.
+/// `rdma` inside the RDMA test guest), by default shared memory and TCP.
+fn transports() -> Vec<&'static str> {
+    let Ok(v) = std::env::var("BRAID_TEST_TRANSPORTS") else {
+        return vec!["shm", "tcp"];
+    };
+    v.split(',')
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .map(|t| match t {
+            "shm" => "shm",
+            "tcp" => "tcp",
+            "rdma" => "rdma",
+            other => panic!("BRAID_TEST_TRANSPORTS: {other:?} is not shm, tcp or rdma"),
+        })
+        .collect()
+}
+
 /// The variant of an error and the peer it names.
 fn kind(e: &Error) -> (&'static str, Option<usize>) {
     match e {
@@ -866,7 +884,7 @@ fn run_fault(transport: &'static str, fault: &'static str, victim: usize) -> Row
 
 fn test_fault_matrix() {
     let mut rows = Vec::new();
-    for transport in ["shm", "tcp"] {
+    for transport in transports() {
         for victim in [1, 0] {
             for fault in ["kill", "term", "exit0", "stop"] {
                 let row = run_fault(transport, fault, victim);
@@ -920,7 +938,7 @@ fn test_fault_matrix() {
 }
 
 fn test_abort_across_processes() {
-    for transport in ["shm", "tcp"] {
+    for transport in transports() {
         let port = free_port();
         let s = secret(77);
         let start = Instant::now();
@@ -967,12 +985,10 @@ fn test_abort_across_processes() {
 }
 
 fn test_destroy_never_hangs() {
-    for (transport, mode) in [
-        ("shm", "kill"),
-        ("shm", "stop"),
-        ("tcp", "kill"),
-        ("tcp", "stop"),
-    ] {
+    let cases = transports()
+        .into_iter()
+        .flat_map(|t| [(t, "kill"), (t, "stop")]);
+    for (transport, mode) in cases {
         let port = free_port();
         let s = secret(99);
         let start = Instant::now();

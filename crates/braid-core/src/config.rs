@@ -90,6 +90,48 @@ pub struct Config {
     /// Rank 0 writes the topology in use to this file, in the `BRAID_TOPO_FILE` format
     /// (`BRAID_TOPO_DUMP_FILE`).
     pub topo_dump_file: Option<std::path::PathBuf>,
+    /// The RDMA transport's settings (`BRAID_IB_*`).
+    pub ib: IbConfig,
+}
+
+/// Settings of the RDMA transport (`BRAID_IB_*`), read whether or not it is built.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IbConfig {
+    /// Devices and ports it may use, in NCCL's syntax: `mlx5_0:1,mlx5_1` (name prefixes, optional
+    /// port), `=name` for exact names, a leading `^` to exclude (`BRAID_IB_HCA`; default: all).
+    pub hca: Option<String>,
+    /// Queue pairs per peer; messages of more than 64 KiB are striped over them
+    /// (`BRAID_IB_QPS_PER_PEER`, default 1, at most 16).
+    pub qps_per_peer: usize,
+    /// GID index (`BRAID_IB_GID_INDEX`; default: RoCE v2 over IPv4, else RoCE v2, else the first).
+    pub gid_index: Option<u32>,
+    /// Traffic class of its packets, for the ECN/PFC classes RoCE fabrics configure (`BRAID_IB_TC`,
+    /// default 0).
+    pub traffic_class: u8,
+    /// ACK timeout exponent: 4.096 µs × 2^n per try (`BRAID_IB_TIMEOUT`, default 14, 1 to 31).
+    pub timeout: u8,
+    /// Transport retries before a queue pair fails (`BRAID_IB_RETRY_CNT`, default 7, at most 7).
+    pub retry_cnt: u8,
+    /// Path MTU in bytes, 256 to 4096 (`BRAID_IB_MTU`; default: the ports' active MTU).
+    pub mtu: Option<u32>,
+    /// Fault injection for tests: this rank's data writes carry a wrong remote key, so the peer's
+    /// device refuses them (`BRAID_IB_TEST_BAD_RKEY=<rank>`).
+    pub test_bad_rkey_rank: Option<usize>,
+}
+
+impl Default for IbConfig {
+    fn default() -> Self {
+        IbConfig {
+            hca: None,
+            qps_per_peer: 1,
+            gid_index: None,
+            traffic_class: 0,
+            timeout: 14,
+            retry_cnt: 7,
+            mtu: None,
+            test_bad_rkey_rank: None,
+        }
+    }
 }
 
 impl Default for Config {
@@ -114,6 +156,7 @@ impl Default for Config {
             topo_file: None,
             topo_probe: false,
             topo_dump_file: None,
+            ib: IbConfig::default(),
         }
     }
 }
@@ -207,6 +250,37 @@ impl Config {
         if let Some(v) = lookup("BRAID_TOPO_DUMP_FILE") {
             c.topo_dump_file =
                 Some(std::path::PathBuf::from(v)).filter(|p| !p.as_os_str().is_empty());
+        }
+        if let Some(v) = lookup("BRAID_IB_HCA") {
+            c.ib.hca = Some(v.trim().to_string()).filter(|v| !v.is_empty());
+        }
+        if let Some(v) = lookup("BRAID_IB_QPS_PER_PEER") {
+            c.ib.qps_per_peer = parse_num("BRAID_IB_QPS_PER_PEER", &v, 1, 16)? as usize;
+        }
+        if let Some(v) = lookup("BRAID_IB_GID_INDEX") {
+            c.ib.gid_index = Some(parse_num("BRAID_IB_GID_INDEX", &v, 0, 255)? as u32);
+        }
+        if let Some(v) = lookup("BRAID_IB_TC") {
+            c.ib.traffic_class = parse_num("BRAID_IB_TC", &v, 0, 255)? as u8;
+        }
+        if let Some(v) = lookup("BRAID_IB_TIMEOUT") {
+            c.ib.timeout = parse_num("BRAID_IB_TIMEOUT", &v, 1, 31)? as u8;
+        }
+        if let Some(v) = lookup("BRAID_IB_RETRY_CNT") {
+            c.ib.retry_cnt = parse_num("BRAID_IB_RETRY_CNT", &v, 0, 7)? as u8;
+        }
+        if let Some(v) = lookup("BRAID_IB_MTU") {
+            let m = parse_num("BRAID_IB_MTU", &v, 256, 4096)? as u32;
+            if !m.is_power_of_two() {
+                return Err(Error::invalid(format!(
+                    "BRAID_IB_MTU={m} is not 256, 512, 1024, 2048 or 4096"
+                )));
+            }
+            c.ib.mtu = Some(m);
+        }
+        if let Some(v) = lookup("BRAID_IB_TEST_BAD_RKEY") {
+            c.ib.test_bad_rkey_rank =
+                Some(parse_num("BRAID_IB_TEST_BAD_RKEY", &v, 0, u32::MAX as u64)? as usize);
         }
         if let Some(v) = lookup("BRAID_DEBUG") {
             c.debug = match v.trim().to_ascii_lowercase().as_str() {

@@ -10,6 +10,8 @@
 //!
 //! - [`shm`]: shared memory between processes of one host (futex words in a segment per rank);
 //! - [`tcp`]: TCP between any two ranks (reader threads place parts straight into the receiver's slots);
+//! - `rdma` (cargo feature `rdma`): RDMA writes with immediate over reliable-connected queue pairs
+//!   (InfiniBand, RoCE), into slots the receiver registered;
 //! - [`mem`]: in one process, with virtual time and injected faults (latency, a killed or a stalled
 //!   rank), for the simulator and tests.
 //!
@@ -35,6 +37,8 @@ pub mod greet;
 mod link;
 pub mod mem;
 pub mod memory;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 mod registry;
 mod router;
 pub mod setup;

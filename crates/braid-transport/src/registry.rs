@@ -8,8 +8,9 @@ use braid_core::{Config, Error};
 
 use crate::setup::{Geometry, Transport};
 
-/// Every transport braid knows, in the order `auto` prefers them.
-const KNOWN: &[&str] = &["shm", "tcp"];
+/// Every transport braid knows, in the order `auto` prefers them: shared memory inside a host, RDMA
+/// between hosts where a usable device exists, TCP otherwise.
+const KNOWN: &[&str] = &["shm", "rdma", "tcp"];
 
 /// The names `BRAID_TRANSPORT` accepts besides `auto`.
 pub fn transport_names() -> &'static [&'static str] {
@@ -50,6 +51,50 @@ fn names(setting: &str) -> Result<Vec<&'static str>, Error> {
     Ok(out)
 }
 
+fn is_auto(setting: &str) -> bool {
+    let s = setting.trim();
+    s.is_empty() || s.eq_ignore_ascii_case("auto")
+}
+
+/// The RDMA transport, if this build has it and a device is usable. Under `auto` its absence is
+/// quiet (TCP carries what it would have); asked for by name, it is an error that says why.
+#[cfg(feature = "rdma")]
+fn rdma(
+    config: &Config,
+    root: SocketAddr,
+    auto: bool,
+) -> Result<Option<Box<dyn Transport>>, Error> {
+    let opts = crate::rdma::IbOptions::from_config(config)?;
+    if let Err(why) = crate::rdma::usable(&opts) {
+        if auto {
+            tracing::debug!("rdma is not offered: {why}");
+            return Ok(None);
+        }
+        return Err(Error::invalid(format!(
+            "BRAID_TRANSPORT={} asks for rdma: {why}",
+            config.transport
+        )));
+    }
+    let ip = crate::tcp::choose_ip(config.socket_ifname.as_deref(), root)?;
+    Ok(Some(Box::new(crate::rdma::Rdma::new(opts, ip))))
+}
+
+#[cfg(not(feature = "rdma"))]
+fn rdma(
+    config: &Config,
+    _root: SocketAddr,
+    auto: bool,
+) -> Result<Option<Box<dyn Transport>>, Error> {
+    if auto {
+        return Ok(None);
+    }
+    Err(Error::invalid(format!(
+        "BRAID_TRANSPORT={} asks for rdma, which this build of braid does not have (build with the \
+         cargo feature rdma, which needs libibverbs)",
+        config.transport
+    )))
+}
+
 /// Refuses a geometry whose world is larger than the transports `config` allows can carry: with shared
 /// memory, every rank's segment must stay within [`crate::shm::MAX_SEGMENT_BYTES`]. Nothing is created.
 pub fn check_world(config: &Config, geometry: &Geometry) -> Result<(), Error> {
@@ -80,12 +125,18 @@ pub fn transports(
     world: usize,
     root: SocketAddr,
 ) -> Result<TransportChoice, Error> {
+    let auto = is_auto(&config.transport);
     let wanted = names(&config.transport)?;
     let mut transports: Vec<Box<dyn Transport>> = Vec::new();
     if world > 1 {
         for name in wanted {
             match name {
                 "shm" => transports.push(Box::new(crate::shm::Shm::new("/dev/shm"))),
+                "rdma" => {
+                    if let Some(t) = rdma(config, root, auto)? {
+                        transports.push(t);
+                    }
+                }
                 "tcp" => {
                     let ip = crate::tcp::choose_ip(config.socket_ifname.as_deref(), root)?;
                     transports.push(Box::new(crate::tcp::Tcp::new(ip, config.sockets_per_peer)));
@@ -110,13 +161,13 @@ mod tests {
 
     #[test]
     fn settings_parse_in_order_and_bad_names_are_named() {
-        assert_eq!(names("auto").unwrap(), vec!["shm", "tcp"]);
-        assert_eq!(names("").unwrap(), vec!["shm", "tcp"]);
+        assert_eq!(names("auto").unwrap(), vec!["shm", "rdma", "tcp"]);
+        assert_eq!(names("").unwrap(), vec!["shm", "rdma", "tcp"]);
         assert_eq!(names("TCP").unwrap(), vec!["tcp"]);
         assert_eq!(names("tcp, shm,tcp").unwrap(), vec!["tcp", "shm"]);
         let e = names("shm,carrier-pigeon").unwrap_err().to_string();
         assert!(
-            e.contains("carrier-pigeon") && e.contains("auto, shm, tcp"),
+            e.contains("carrier-pigeon") && e.contains("auto, shm, rdma, tcp"),
             "{e}"
         );
         assert!(names(",").is_err());
