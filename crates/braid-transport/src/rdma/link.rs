@@ -359,6 +359,8 @@ impl RdmaLink {
 
     fn failure(&self, peer: &PeerLink, ctx: &WaitCtx<'_>) -> Result<(), Error> {
         match peer.failed.borrow().as_ref() {
+            // An abort here moved the queue pairs to the error state itself: what failed is this rank.
+            Some(_) if ctx.abort.load(Ordering::Relaxed) => Err(ctx.aborted()),
             Some(why) => {
                 Err(ctx.peer_failed(peer.rank, format!("over rdma ({}): {why}", self.device)))
             }
@@ -631,7 +633,7 @@ impl Link for RdmaLink {
                 // What it posted before it went is delivered first: look once more.
                 self.progress()?;
                 p.fail(format!(
-                    "rank {peer}'s connection closed (its process ended or it aborted)"
+                    "rank {peer} closed the connection (it aborted, or its process ended)"
                 ));
                 return Ok(());
             }
