@@ -155,6 +155,7 @@ pub fn run(comm: &Communicator, a: &TuneArgs) -> Result<(), Error> {
             version: 1,
             shm: link,
             tcp: None,
+            rdma: None,
             tables: vec![],
         }
     };

@@ -1022,8 +1022,11 @@ fn test_destroy_never_hangs() {
 
 fn test_soak() {
     let ops: usize = std::env::var("SOAK_OPS").map_or(3000, |v| v.parse().expect("SOAK_OPS"));
-    // Over TCP a third as many: each op costs more, and the point is the mix, not the count.
-    for (transport, ops) in [("shm", ops), ("tcp", ops.div_ceil(3))] {
+    // Over a network a third as many: each op costs more, and the point is the mix, not the count.
+    let cases = transports()
+        .into_iter()
+        .map(|t| (t, if t == "shm" { ops } else { ops.div_ceil(3) }));
+    for (transport, ops) in cases {
         let start = Instant::now();
         let ops = ops.to_string();
         let o = braid_run(

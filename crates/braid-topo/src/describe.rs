@@ -103,6 +103,26 @@ impl fmt::Display for Topology {
                 }
                 writeln!(f, "{line}")?;
             }
+            for r in &host.rdma {
+                let mut line = format!("  rdma {}:{}:", r.device, r.port);
+                match r.active {
+                    Some(true) => line.push_str(" active"),
+                    Some(false) => line.push_str(" not active"),
+                    None => line.push_str(" state unknown"),
+                }
+                for (what, v) in [("", &r.link_layer), ("", &r.rate), ("over ", &r.netdev)] {
+                    if let Some(v) = v {
+                        let _ = write!(line, ", {what}{v}");
+                    }
+                }
+                if let Some(i) = r.roce_v2_gid_index {
+                    let _ = write!(line, ", RoCE v2 GID {i}");
+                }
+                if let Some(numa) = r.numa_node {
+                    let _ = write!(line, ", numa {numa}");
+                }
+                writeln!(f, "{line}")?;
+            }
         }
         if !self.links.is_empty() {
             writeln!(f, "links: {}", self.links.len())?;

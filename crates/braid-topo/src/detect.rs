@@ -9,7 +9,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use crate::cpulist::parse_cpulist;
-use crate::model::{Gpu, Host, Nic, NumaNode};
+use crate::model::{Gpu, Host, Nic, NumaNode, RdmaPort};
 
 /// PCI vendor id of NVIDIA.
 pub const NVIDIA_VENDOR: u32 = 0x10de;
@@ -22,13 +22,17 @@ pub const NVIDIA_VENDOR: u32 = 0x10de;
 /// - NICs: `<root>/sys/class/net/*` except `lo`, with `speed`, `device/numa_node`, `operstate` and
 ///   `address`;
 /// - GPUs: `<root>/sys/bus/pci/devices/*` whose `vendor` is `0x10de` and whose `class` is a VGA or 3D
-///   controller (`0x0300xx`, `0x0302xx`), with `numa_node`.
+///   controller (`0x0300xx`, `0x0302xx`), with `numa_node`;
+/// - RDMA ports: `<root>/sys/class/infiniband/<device>/ports/<n>` with `state`, `link_layer`, `rate`,
+///   `gid_attrs/ndevs/0`, the first `gid_attrs/types/<i>` that reads `RoCE v2`, and the device's
+///   `device/numa_node`.
 pub fn detect_host(root: &Path) -> Host {
     Host {
         name: hostname(root),
         numa: numa_nodes(root),
         gpus: gpus(root),
         nics: nics(root),
+        rdma: rdma_ports(root),
     }
 }
 
@@ -112,6 +116,36 @@ fn nics(root: &Path) -> Vec<Nic> {
             name,
         })
         .collect()
+}
+
+fn rdma_ports(root: &Path) -> Vec<RdmaPort> {
+    let mut out = Vec::new();
+    for (device, dev) in entries(&root.join("sys/class/infiniband")) {
+        let numa = numa_node(&dev.join("device/numa_node"));
+        for (port, p) in entries(&dev.join("ports")) {
+            let Ok(port) = port.parse::<u32>() else {
+                continue;
+            };
+            // `state` reads `4: ACTIVE`.
+            let active = read_trimmed(&p.join("state")).map(|s| s.ends_with("ACTIVE"));
+            // GID entries are few in use; the table may list hundreds of empty ones.
+            let roce_v2_gid_index = (0..256u32).find(|i| {
+                read_trimmed(&p.join(format!("gid_attrs/types/{i}")))
+                    .is_some_and(|t| t.eq_ignore_ascii_case("RoCE v2"))
+            });
+            out.push(RdmaPort {
+                device: device.clone(),
+                port,
+                active,
+                link_layer: read_trimmed(&p.join("link_layer")).filter(|s| !s.is_empty()),
+                rate: read_trimmed(&p.join("rate")).filter(|s| !s.is_empty()),
+                netdev: read_trimmed(&p.join("gid_attrs/ndevs/0")).filter(|s| !s.is_empty()),
+                numa_node: numa,
+                roce_v2_gid_index,
+            });
+        }
+    }
+    out
 }
 
 fn hex(path: &Path) -> Option<u32> {

@@ -26,6 +26,7 @@
 //! | `hosts[].numa[]` | `id` (kernel node number), `cpus` (list string, `"0-15,32-47"`) |
 //! | `hosts[].gpus[]` | `pci` (PCI address), `numa` and `name` (optional) |
 //! | `hosts[].nics[]` | `name`, and optional `speed_mbps`, `numa`, `up`, `mac`, `addresses` (list of strings) |
+//! | `hosts[].rdma[]` | `device`, `port`, and optional `active`, `link_layer`, `rate`, `netdev`, `numa`, `roce_v2_gid_index` |
 //! | `ranks` | one entry per rank, any order: `rank`, `host` (a host name, or an index into `hosts`), optional `numa` (node id) and `gpu` (index into the host's `gpus`) |
 //! | `links` | optional list: `ranks` (two ranks), `class` (`shm`, `tcp`, `rdma`, `nvlink`, `pcie`), optional `bandwidth` (bytes/s) and `latency` (seconds, one way) |
 //!
@@ -93,7 +94,7 @@ pub use detect::{detect_host, detect_local, NVIDIA_VENDOR};
 pub use error::{Error, Result};
 pub use file::{read_config_file, FORMAT_VERSION, MAX_CONFIG_FILE, TOPO_FILE_ENV};
 pub use model::{
-    ring_order, Gpu, Host, Link, LinkClass, Nic, NumaNode, RankPlace, Source, Topology,
+    ring_order, Gpu, Host, Link, LinkClass, Nic, NumaNode, RankPlace, RdmaPort, Source, Topology,
 };
 pub use probe::{
     infer_hosts, infer_topology, GapRule, Inference, ProbeOptions, DEFAULT_GAP_FACTOR,

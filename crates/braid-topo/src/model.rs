@@ -82,6 +82,34 @@ pub struct Nic {
     pub addresses: Vec<String>,
 }
 
+/// One port of an RDMA device (InfiniBand, RoCE, Soft-RoCE).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RdmaPort {
+    /// Device name (`mlx5_0`, `rxe0`).
+    pub device: String,
+    /// Port number (from 1).
+    pub port: u32,
+    /// Whether the port is active, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active: Option<bool>,
+    /// Link layer: `InfiniBand` or `Ethernet` (RoCE), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub link_layer: Option<String>,
+    /// Rate as the driver states it (`100 Gb/sec (4X EDR)`), when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<String>,
+    /// The network device under a RoCE port, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netdev: Option<String>,
+    /// NUMA node the device is attached to, when known.
+    #[serde(rename = "numa", default, skip_serializing_if = "Option::is_none")]
+    pub numa_node: Option<u32>,
+    /// Index of the first RoCE v2 GID, when there is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub roce_v2_gid_index: Option<u32>,
+}
+
 /// One host (machine, or anything the ranks on it can share memory through).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -97,6 +125,9 @@ pub struct Host {
     /// Network interfaces.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub nics: Vec<Nic>,
+    /// RDMA device ports.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rdma: Vec<RdmaPort>,
 }
 
 impl Host {
@@ -107,6 +138,7 @@ impl Host {
             numa: Vec::new(),
             gpus: Vec::new(),
             nics: Vec::new(),
+            rdma: Vec::new(),
         }
     }
 }

@@ -2,7 +2,7 @@
 
 mod common;
 
-use braid_topo::{detect_host, detect_local, Host, Source, Topology};
+use braid_topo::{detect_host, detect_local, Host, RdmaPort, Source, Topology};
 use common::TempDir;
 
 fn pci(dir: &TempDir, addr: &str, vendor: &str, class: &str, numa: &str) {
@@ -146,6 +146,65 @@ fn without_numa_directories_all_online_cpus_form_node_zero() {
         (0, vec![0, 1, 2, 3])
     );
     assert_eq!(host.name, "localhost");
+}
+
+#[test]
+fn rdma_ports_with_their_state_layer_and_roce_v2_gid() {
+    let dir = TempDir::new("rdma");
+    let p = "sys/class/infiniband/rxe0/ports/1";
+    dir.write(&format!("{p}/state"), "4: ACTIVE\n");
+    dir.write(&format!("{p}/link_layer"), "Ethernet\n");
+    dir.write(&format!("{p}/rate"), "10 Gb/sec (1X QDR)\n");
+    dir.write(&format!("{p}/gid_attrs/ndevs/0"), "braid0\n");
+    dir.write(&format!("{p}/gid_attrs/types/0"), "RoCE v2\n");
+    dir.write(&format!("{p}/gid_attrs/types/1"), "RoCE v2\n");
+    let q = "sys/class/infiniband/mlx5_0/ports/1";
+    dir.write(&format!("{q}/state"), "1: DOWN\n");
+    dir.write(&format!("{q}/link_layer"), "InfiniBand\n");
+    dir.write(&format!("{q}/gid_attrs/types/0"), "IB/RoCE v1\n");
+    dir.write("sys/class/infiniband/mlx5_0/device/numa_node", "1\n");
+    dir.write(
+        "sys/class/infiniband/mlx5_0/ports/garbage/state",
+        "4: ACTIVE\n",
+    );
+    let h = detect_host(dir.path());
+    assert_eq!(
+        h.rdma,
+        vec![
+            RdmaPort {
+                device: "mlx5_0".into(),
+                port: 1,
+                active: Some(false),
+                link_layer: Some("InfiniBand".into()),
+                rate: None,
+                netdev: None,
+                numa_node: Some(1),
+                roce_v2_gid_index: None,
+            },
+            RdmaPort {
+                device: "rxe0".into(),
+                port: 1,
+                active: Some(true),
+                link_layer: Some("Ethernet".into()),
+                rate: Some("10 Gb/sec (1X QDR)".into()),
+                netdev: Some("braid0".into()),
+                numa_node: None,
+                roce_v2_gid_index: Some(0),
+            },
+        ]
+    );
+    let t = Topology::single_host(h, 1, Source::Detected).unwrap();
+    let text = t.describe();
+    assert!(
+        text.contains(
+            "rdma rxe0:1: active, Ethernet, 10 Gb/sec (1X QDR), over braid0, RoCE v2 GID 0"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("rdma mlx5_0:1: not active, InfiniBand, numa 1"),
+        "{text}"
+    );
 }
 
 #[test]

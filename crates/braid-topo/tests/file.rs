@@ -408,6 +408,18 @@ fn arb_topology() -> impl Strategy<Value = Topology> {
                             addresses: (0..i).map(|k| format!("10.0.{h}.{k}")).collect(),
                         })
                         .collect(),
+                    rdma: (0..h % 2)
+                        .map(|i| braid_topo::RdmaPort {
+                            device: format!("mlx5_{i}"),
+                            port: 1,
+                            active: Some(true),
+                            link_layer: Some("Ethernet".into()),
+                            rate: Some("200 Gb/sec (4X HDR)".into()),
+                            netdev: Some(format!("eth{i}")),
+                            numa_node: Some(0),
+                            roce_v2_gid_index: Some(3),
+                        })
+                        .collect(),
                 })
                 .collect();
             // Every host runs a rank; the rest are spread by the seeds.

@@ -112,6 +112,14 @@ impl LinkParams {
         gamma_us_per_byte: 1.0 / 8000.0,
     };
 
+    /// Built-in defaults for RDMA between hosts (about 3 µs per message, 10 GB/s: a 100 Gb/s
+    /// InfiniBand or RoCE port), until a tuning file or probing says otherwise.
+    pub const RDMA_DEFAULT: LinkParams = LinkParams {
+        alpha_us: 3.0,
+        beta_us_per_byte: 1.0 / 10000.0,
+        gamma_us_per_byte: 1.0 / 8000.0,
+    };
+
     fn cost(&self) -> LinkCost {
         LinkCost {
             alpha_us: self.alpha_us,
@@ -152,6 +160,9 @@ pub struct TuningFile {
     /// TCP link parameters between hosts, where measured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tcp: Option<LinkParams>,
+    /// RDMA link parameters between hosts, where measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rdma: Option<LinkParams>,
     /// Measured tables.
     pub tables: Vec<Table>,
 }
@@ -236,7 +247,18 @@ pub struct Tuner {
     /// Ranks per host, when there is more than one host.
     hosts: Vec<usize>,
     /// The link between hosts as measured at start-up (`BRAID_TOPO_PROBE`).
-    measured_tcp: Option<LinkParams>,
+    measured_between: Option<LinkParams>,
+    /// The transport between hosts.
+    network: Network,
+}
+
+/// The kind of link between hosts, which picks the tuning file's entry and the built-in default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Network {
+    /// TCP sockets.
+    Tcp,
+    /// RDMA verbs.
+    Rdma,
 }
 
 impl Tuner {
@@ -258,14 +280,22 @@ impl Tuner {
             cache: Default::default(),
             last: None,
             hosts: Vec::new(),
-            measured_tcp: None,
+            measured_between: None,
+            network: Network::Tcp,
         }
     }
 
     /// Uses `link` for the link between hosts: measured in this run, it outranks a tuning file's and the
     /// built-in defaults.
-    pub fn set_tcp_link(&mut self, link: LinkParams) {
-        self.measured_tcp = Some(link);
+    pub fn set_measured_link(&mut self, link: LinkParams) {
+        self.measured_between = Some(link);
+        self.cache.clear();
+        self.last = None;
+    }
+
+    /// Says which transport carries the bytes between hosts.
+    pub fn set_network(&mut self, network: Network) {
+        self.network = network;
         self.cache.clear();
         self.last = None;
     }
@@ -282,17 +312,23 @@ impl Tuner {
         self.last = None;
     }
 
-    /// The link between hosts the model uses: measured at start-up, else from the tuning file, else
-    /// the built-in default.
-    pub fn tcp_link(&self) -> LinkParams {
-        self.measured_tcp
-            .or_else(|| self.file.as_ref().and_then(|f| f.tcp))
-            .unwrap_or(LinkParams::TCP_DEFAULT)
+    /// The link between hosts the model uses: measured at start-up, else the tuning file's for the
+    /// transport in use (`tcp` or `rdma`), else the built-in default for it.
+    pub fn between_hosts_link(&self) -> LinkParams {
+        let filed = self.file.as_ref().and_then(|f| match self.network {
+            Network::Tcp => f.tcp,
+            Network::Rdma => f.rdma,
+        });
+        let default = match self.network {
+            Network::Tcp => LinkParams::TCP_DEFAULT,
+            Network::Rdma => LinkParams::RDMA_DEFAULT,
+        };
+        self.measured_between.or(filed).unwrap_or(default)
     }
 
     /// The modelled time of all-reduce `algo` over several hosts.
     fn multi_host_cost(&self, algo: Algo, bytes: usize) -> f64 {
-        let (i, x) = (self.link(), self.tcp_link());
+        let (i, x) = (self.link(), self.between_hosts_link());
         let links = HostLinks {
             intra_alpha_us: i.alpha_us,
             intra_beta_us_per_byte: i.beta_us_per_byte,
@@ -459,30 +495,61 @@ mod tests {
             alpha_us: 7.0,
             ..LinkParams::TCP_DEFAULT
         };
+        let filed_rdma = LinkParams {
+            alpha_us: 1.5,
+            ..LinkParams::RDMA_DEFAULT
+        };
         let file = TuningFile {
             version: 1,
             shm: LinkParams::SHM_DEFAULT,
             tcp: Some(filed),
+            rdma: Some(filed_rdma),
             tables: vec![],
         };
         let mut t = Tuner::new(4, AlgoPolicy::default(), None, 128 << 10, 16 << 10);
-        assert_eq!(t.tcp_link(), LinkParams::TCP_DEFAULT);
+        assert_eq!(t.between_hosts_link(), LinkParams::TCP_DEFAULT);
         let mut t2 = Tuner::new(4, AlgoPolicy::default(), Some(file), 128 << 10, 16 << 10);
-        assert_eq!(t2.tcp_link(), filed);
+        assert_eq!(t2.between_hosts_link(), filed);
+        // Over RDMA the file's rdma entry counts, or the RDMA default.
+        t.set_network(Network::Rdma);
+        t2.set_network(Network::Rdma);
+        assert_eq!(t.between_hosts_link(), LinkParams::RDMA_DEFAULT);
+        assert_eq!(t2.between_hosts_link(), filed_rdma);
         let measured = LinkParams {
             alpha_us: 11.0,
             ..LinkParams::TCP_DEFAULT
         };
-        t.set_tcp_link(measured);
-        t2.set_tcp_link(measured);
-        assert_eq!((t.tcp_link(), t2.tcp_link()), (measured, measured));
+        t.set_measured_link(measured);
+        t2.set_measured_link(measured);
+        assert_eq!(
+            (t.between_hosts_link(), t2.between_hosts_link()),
+            (measured, measured)
+        );
         // A slow, high-latency network moves the crossover: small all-reduces stay off hier.
         t.set_hosts(vec![2, 2]);
-        t.set_tcp_link(LinkParams {
+        t.set_measured_link(LinkParams {
             alpha_us: 5000.0,
             ..LinkParams::TCP_DEFAULT
         });
         assert_ne!(t.pick(Collective::AllReduce, 4096), Algo::Hier);
+    }
+
+    #[test]
+    fn the_network_class_moves_the_choice_between_hosts() {
+        // The same job over TCP and over RDMA: the modelled costs differ, and with them the pick for
+        // some size (the faster network is never modelled slower).
+        let mut tcp = Tuner::new(8, AlgoPolicy::default(), None, 128 << 10, 16 << 10);
+        tcp.set_hosts(vec![4, 4]);
+        let mut rdma = tcp.clone();
+        rdma.set_network(Network::Rdma);
+        for bytes in [64 << 10, 1 << 20, 64 << 20] {
+            for algo in [Algo::Ring, Algo::Hier] {
+                assert!(
+                    rdma.multi_host_cost(algo, bytes) < tcp.multi_host_cost(algo, bytes),
+                    "{algo} at {bytes} B"
+                );
+            }
+        }
     }
 
     #[test]
@@ -542,6 +609,7 @@ mod tests {
             version: 1,
             shm: LinkParams::SHM_DEFAULT,
             tcp: None,
+            rdma: None,
             tables: vec![Table {
                 collective: "allreduce".into(),
                 world: 4,

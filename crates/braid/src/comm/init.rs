@@ -87,7 +87,7 @@ fn choose_topology(
 
 /// The link between hosts as probing measured it (median latency and bandwidth over every pair of ranks
 /// on different hosts), for the tuner's model.
-fn measured_tcp_link(t: &braid_topo::Topology) -> Option<crate::tune::LinkParams> {
+fn measured_between_hosts(t: &braid_topo::Topology) -> Option<crate::tune::LinkParams> {
     if t.source != braid_topo::Source::Probed {
         return None;
     }
@@ -265,9 +265,14 @@ impl Communicator {
         let link = transport.map(Router::into_link);
         let mut executor = Executor::new(rank, world, config.clone(), tuner, link, abort.clone());
         executor.set_hosts(hosts.clone());
-        if let Some(link) = measured_tcp_link(&topology) {
+        // The tuner models the link between hosts by the transport that carries it.
+        let other_host = |p: usize| !hosts.iter().any(|h| h.contains(&rank) && h.contains(&p));
+        if (0..world).any(|p| other_host(p) && routes[p] == "rdma") {
+            executor.tuner.set_network(crate::tune::Network::Rdma);
+        }
+        if let Some(link) = measured_between_hosts(&topology) {
             debug!(rank, ?link, "link between hosts, as probed");
-            executor.tuner.set_tcp_link(link);
+            executor.tuner.set_measured_link(link);
         }
         let recorder = executor.recorder.clone();
         let limit = config.timeout * 2 + Duration::from_secs(10);
