@@ -37,7 +37,6 @@ pub mod greet;
 mod link;
 pub mod mem;
 pub mod memory;
-#[cfg(feature = "rdma")]
 pub mod rdma;
 mod registry;
 mod router;
