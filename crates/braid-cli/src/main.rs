@@ -1,5 +1,6 @@
-//! The `braid` command: `braid run` starts ranks of any program; `braid perf` benchmarks all-reduce;
-//! `braid compress-eval` measures what gradient compression costs in training quality.
+//! The `braid` command: `braid run` starts ranks of any program; `braid perf` benchmarks a collective
+//! (all-reduce by default); `braid compress-eval` measures what gradient compression costs in training
+//! quality.
 
 mod compress_bench;
 mod eval;
@@ -54,8 +55,9 @@ enum Cmd {
         #[arg(trailing_var_arg = true, required = true, allow_hyphen_values = true)]
         command: Vec<OsString>,
     },
-    /// All-reduce benchmark with nccl-tests columns. Runs N local ranks (--ranks), or, started by a
-    /// launcher (braid run, torchrun, mpirun, srun), as one rank of that job.
+    /// Collective benchmark (all-reduce unless --collective says otherwise) with nccl-tests columns.
+    /// Runs N local ranks (--ranks), or, started by a launcher (braid run, torchrun, mpirun, srun), as
+    /// one rank of that job.
     Perf {
         /// Local ranks to start (default 2 when not started by a launcher).
         #[arg(long)]
@@ -87,8 +89,15 @@ enum Cmd {
         /// Also write the results as JSON to this file.
         #[arg(long)]
         json: Option<String>,
-        /// All-reduce algorithm: ring, tree, rhd, direct, hier; a comma-separated list (`ring,hier`) or
-        /// `all` to measure each side by side (and mark the tuner's pick). Default: braid chooses.
+        /// The collective to measure: all_reduce, broadcast, reduce, all_gather, reduce_scatter or
+        /// all_to_all (broadcast and reduce from root 0). Sizes follow nccl-tests and are rounded down to
+        /// what the collective can split.
+        #[arg(long, default_value = "all_reduce")]
+        collective: String,
+        /// Algorithm of the collective (all-reduce: ring, tree, rhd, direct, hier; all-gather and
+        /// reduce-scatter: ring, direct; broadcast and reduce: ring, tree); a comma-separated list
+        /// (`ring,hier`) or `all` to measure each side by side (and mark the tuner's pick). Default:
+        /// braid chooses.
         #[arg(long)]
         algo: Option<String>,
         /// Also plot busbw against size (log-log) to this PNG file.
@@ -345,10 +354,12 @@ fn main() {
             op,
             check,
             json,
+            collective,
             algo,
             plot,
         } => {
             let args = (|| -> Result<perf::PerfArgs, String> {
+                let collective = perf::parse_collective(&collective)?;
                 let dtype: DType = dtype.parse().map_err(|e: braid::Error| e.to_string())?;
                 let op: ReduceOp = op.parse().map_err(|e: braid::Error| e.to_string())?;
                 if min_bytes > max_bytes {
@@ -357,10 +368,19 @@ fn main() {
                 check_factor(factor)?;
                 if let Some(list) = algo.as_deref().filter(|a| *a != "all") {
                     for a in list.split(',') {
-                        a.parse::<braid::Algo>().map_err(|e| e.to_string())?;
+                        let algo = a.parse::<braid::Algo>().map_err(|e| e.to_string())?;
+                        if !collective.algos().contains(&algo) {
+                            let names: Vec<&str> =
+                                collective.algos().iter().map(|a| a.name()).collect();
+                            return Err(format!(
+                                "--algo {algo}: {collective} has {}",
+                                names.join(", ")
+                            ));
+                        }
                     }
                 }
                 Ok(perf::PerfArgs {
+                    collective,
                     min_bytes,
                     max_bytes,
                     factor,

@@ -1,32 +1,312 @@
-//! `braid perf`: the all-reduce benchmark, in nccl-tests' columns.
+//! `braid perf`: a collective benchmark in nccl-tests' columns (all-reduce unless `--collective` names
+//! another).
+//!
+//! Sizes and bus bandwidths follow nccl-tests: the size is the larger of a rank's send and receive
+//! buffers (all-reduce, broadcast, reduce: the buffer; all-gather: the gathered output; reduce-scatter:
+//! the input that is scattered; all-to-all: a rank's send buffer), rounded down to whole elements and, where
+//! the collective splits it into one block per rank, to a multiple of ranks × element size; the count is
+//! the per-rank element count the collective is called with. algbw is size / time; busbw scales it by
+//! 2(n−1)/n (all-reduce), (n−1)/n (all-gather, reduce-scatter, all-to-all) or 1 (broadcast, reduce).
+//! Rooted collectives use root 0.
 //!
 //! Inputs are small integers (or powers of two for prod), so the exact result is known whatever the
 //! reduction order and `#wrong` counts real errors. Times are the slowest rank's average per iteration.
-//! Alongside, rank 0 measures the memory-bandwidth bound of this machine: one process computing
-//! `out = a + b` over the same bytes, the least memory traffic an all-reduce result needs.
+//! Alongside, rank 0 measures the memory-bandwidth bound of this machine: one process producing the same
+//! bytes locally, `out = a + b` for the reductions and a copy for the others.
 
 use std::time::Instant;
 
-use braid::{Algo, Collective, Communicator, DType, Error, ReduceOp};
-use braid_core::exact::{expected, fill, wrong};
+use braid::{Algo, Collective, Communicator, DType, Element, Error, ReduceOp};
+use braid_core::exact::{fill, inputs, reduced, wrong};
 use braid_core::reduce::{self, Src};
 use serde::Serialize;
 
 /// What to measure.
 #[derive(Clone, Debug)]
 pub struct PerfArgs {
+    /// The collective measured (one of [`COLLECTIVES`]).
+    pub collective: Collective,
+    /// Smallest size in bytes.
     pub min_bytes: usize,
+    /// Largest size in bytes.
     pub max_bytes: usize,
+    /// Size multiplication factor between steps.
     pub factor: usize,
+    /// Timed iterations per size.
     pub iters: usize,
+    /// Warm-up iterations per size.
     pub warmup: usize,
+    /// Element type.
     pub dtype: DType,
+    /// Reduction (ignored by the collectives that do not reduce).
     pub op: ReduceOp,
+    /// Whether to check each result against the exact one.
     pub check: bool,
+    /// Where to write the results as JSON.
     pub json: Option<String>,
-    /// `None`: braid chooses; a name forces it; `all` measures every all-reduce algorithm.
+    /// `None`: braid chooses; a name forces it; `all` measures every algorithm of the collective.
     pub algo: Option<String>,
+    /// Where to plot busbw against size.
     pub plot: Option<String>,
+}
+
+/// The collectives `braid perf` measures, in the order its errors list them.
+pub const COLLECTIVES: [Collective; 6] = [
+    Collective::AllReduce,
+    Collective::Broadcast,
+    Collective::Reduce,
+    Collective::AllGather,
+    Collective::ReduceScatter,
+    Collective::AllToAll,
+];
+
+/// The root of broadcast and reduce, as in nccl-tests.
+const ROOT: usize = 0;
+
+/// Parses a `--collective` name (also the spellings [`Collective`] accepts, such as `allreduce`); an
+/// unknown name, or one `braid perf` does not measure, is an error that lists the valid names.
+pub fn parse_collective(s: &str) -> Result<Collective, String> {
+    match s.parse::<Collective>() {
+        Ok(c) if COLLECTIVES.contains(&c) => Ok(c),
+        _ => {
+            let names: Vec<&str> = COLLECTIVES.iter().map(|c| c.name()).collect();
+            Err(format!(
+                "--collective {s:?}: not a collective braid perf measures (valid: {})",
+                names.join(", ")
+            ))
+        }
+    }
+}
+
+/// Whether `c` combines the ranks' data with a reduction.
+fn reduces(c: Collective) -> bool {
+    matches!(
+        c,
+        Collective::AllReduce | Collective::Reduce | Collective::ReduceScatter
+    )
+}
+
+/// Whether the communicator has an in-place form of `c`.
+fn has_in_place(c: Collective) -> bool {
+    c != Collective::AllToAll
+}
+
+/// nccl-tests' bus bandwidth factor of `c` on `world` ranks: busbw = algbw × factor.
+pub fn busbw_factor(c: Collective, world: usize) -> f64 {
+    let n = world.max(1) as f64;
+    match c {
+        Collective::AllReduce => 2.0 * (n - 1.0) / n,
+        Collective::AllGather | Collective::ReduceScatter | Collective::AllToAll => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+/// The buffers of one call of a collective at one requested size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// The size reported: the larger of the send and receive buffers, in bytes.
+    pub bytes: usize,
+    /// The element count the collective is called with (per rank, per block where it splits).
+    pub count: usize,
+    /// A rank's send buffer out of place, in bytes.
+    pub send: usize,
+    /// A rank's receive buffer out of place, in bytes.
+    pub recv: usize,
+}
+
+impl Shape {
+    /// The shape of `c` at `size` bytes of `elem`-byte elements on `world` ranks: rounded down to whole
+    /// elements, and to a multiple of `world` elements where the collective splits the size into blocks.
+    pub fn new(c: Collective, size: usize, elem: usize, world: usize) -> Shape {
+        let elems = size / elem.max(1);
+        let per = elems / world.max(1);
+        let block = per * elem;
+        let total = block * world;
+        match c {
+            Collective::AllGather => Shape {
+                bytes: total,
+                count: per,
+                send: block,
+                recv: total,
+            },
+            Collective::ReduceScatter => Shape {
+                bytes: total,
+                count: per,
+                send: total,
+                recv: block,
+            },
+            Collective::AllToAll => Shape {
+                bytes: total,
+                count: per,
+                send: total,
+                recv: total,
+            },
+            _ => Shape {
+                bytes: elems * elem,
+                count: elems,
+                send: elems * elem,
+                recv: elems * elem,
+            },
+        }
+    }
+}
+
+/// What one rank's buffers start as and must end as, for checking.
+struct Expect {
+    /// The send buffer out of place.
+    send: Vec<u8>,
+    /// What the receive buffer must hold out of place (`None`: not checked, as off the root of reduce).
+    want: Option<Vec<u8>>,
+    /// The buffer in place, before the call.
+    in_place: Vec<u8>,
+    /// Where in the in-place buffer the result is, and what it must be (`None`: not checked).
+    want_in_place: Option<(usize, Vec<u8>)>,
+}
+
+/// A byte no input holds in any dtype (inputs are small non-negative integers): receive buffers start
+/// filled with it, so a result that was never written is counted wrong.
+const POISON: u8 = 0xA5;
+
+impl Expect {
+    /// The inputs of `c` on `rank` of `world` and their exact results, from braid_core's references.
+    fn new(
+        c: Collective,
+        s: &Shape,
+        dtype: DType,
+        op: ReduceOp,
+        rank: usize,
+        world: usize,
+    ) -> Expect {
+        let block = s.count * dtype.size();
+        let poison = |n: usize| vec![POISON; n];
+        match c {
+            Collective::AllReduce | Collective::Reduce => {
+                let ins = inputs(s.bytes, dtype, op, world);
+                let mine = ins[rank].clone();
+                let want =
+                    (c == Collective::AllReduce || rank == ROOT).then(|| reduced(&ins, dtype, op));
+                Expect {
+                    send: mine.clone(),
+                    want_in_place: want.clone().map(|w| (0, w)),
+                    want,
+                    in_place: mine,
+                }
+            }
+            Collective::Broadcast => {
+                let mut src = vec![0u8; s.bytes];
+                fill(&mut src, dtype, op, ROOT);
+                let start = if rank == ROOT {
+                    src.clone()
+                } else {
+                    poison(s.bytes)
+                };
+                Expect {
+                    send: start.clone(),
+                    want: Some(src.clone()),
+                    in_place: start,
+                    want_in_place: Some((0, src)),
+                }
+            }
+            Collective::AllGather => {
+                let ins = inputs(block, dtype, op, world);
+                let mut in_place = poison(s.bytes);
+                in_place[rank * block..(rank + 1) * block].copy_from_slice(&ins[rank]);
+                let all = ins.concat();
+                Expect {
+                    send: ins[rank].clone(),
+                    want: Some(all.clone()),
+                    in_place,
+                    want_in_place: Some((0, all)),
+                }
+            }
+            Collective::ReduceScatter => {
+                let ins = inputs(s.bytes, dtype, op, world);
+                let mine = reduced(&ins, dtype, op)[rank * block..(rank + 1) * block].to_vec();
+                Expect {
+                    send: ins[rank].clone(),
+                    want: Some(mine.clone()),
+                    in_place: ins[rank].clone(),
+                    want_in_place: Some((rank * block, mine)),
+                }
+            }
+            _ => {
+                // All-to-all: block `rank` of every rank's input, in rank order.
+                let ins = inputs(s.bytes, dtype, op, world);
+                let want: Vec<u8> = ins
+                    .iter()
+                    .flat_map(|b| b[rank * block..(rank + 1) * block].iter().copied())
+                    .collect();
+                Expect {
+                    send: ins[rank].clone(),
+                    want: Some(want),
+                    in_place: Vec::new(),
+                    want_in_place: None,
+                }
+            }
+        }
+    }
+}
+
+/// One out-of-place call of `c`.
+fn out_of_place(
+    comm: &Communicator,
+    c: Collective,
+    dtype: DType,
+    op: ReduceOp,
+    send: &[u8],
+    recv: &mut [u8],
+) -> Result<(), Error> {
+    match c {
+        Collective::AllReduce => comm.all_reduce_bytes(send, recv, dtype, op),
+        Collective::ReduceScatter => comm.reduce_scatter_bytes(send, recv, dtype, op),
+        Collective::AllGather => comm.all_gather_bytes(send, recv, dtype),
+        Collective::Broadcast => comm.broadcast_bytes(send, recv, dtype, ROOT),
+        Collective::Reduce => comm.reduce_bytes(send, recv, dtype, op, ROOT),
+        Collective::AllToAll => comm.all_to_all_bytes(send, recv, dtype),
+        Collective::Barrier => comm.barrier(),
+    }
+}
+
+/// One in-place call of `c` on `buf` (aligned for `dtype`: the in-place forms beyond all-reduce are typed).
+fn in_place(
+    comm: &Communicator,
+    c: Collective,
+    dtype: DType,
+    op: ReduceOp,
+    buf: &mut [u8],
+) -> Result<(), Error> {
+    if c == Collective::AllReduce {
+        return comm.all_reduce_bytes_in_place(buf, dtype, op);
+    }
+    match dtype {
+        DType::I8 => in_place_typed::<i8>(comm, c, op, buf),
+        DType::U8 => in_place_typed::<u8>(comm, c, op, buf),
+        DType::I32 => in_place_typed::<i32>(comm, c, op, buf),
+        DType::U32 => in_place_typed::<u32>(comm, c, op, buf),
+        DType::I64 => in_place_typed::<i64>(comm, c, op, buf),
+        DType::U64 => in_place_typed::<u64>(comm, c, op, buf),
+        DType::F16 => in_place_typed::<half::f16>(comm, c, op, buf),
+        DType::BF16 => in_place_typed::<half::bf16>(comm, c, op, buf),
+        DType::F32 => in_place_typed::<f32>(comm, c, op, buf),
+        DType::F64 => in_place_typed::<f64>(comm, c, op, buf),
+    }
+}
+
+fn in_place_typed<T: Element>(
+    comm: &Communicator,
+    c: Collective,
+    op: ReduceOp,
+    buf: &mut [u8],
+) -> Result<(), Error> {
+    let buf: &mut [T] = bytemuck::cast_slice_mut(buf);
+    match c {
+        Collective::AllReduce => comm.all_reduce_in_place(buf, op),
+        Collective::ReduceScatter => comm.reduce_scatter_in_place(buf, op),
+        Collective::AllGather => comm.all_gather_in_place(buf),
+        Collective::Broadcast => comm.broadcast_in_place(buf, ROOT),
+        Collective::Reduce => comm.reduce_in_place(buf, op, ROOT),
+        other => Err(Error::invalid(format!("{other} has no in-place form"))),
+    }
 }
 
 #[derive(Serialize, Clone, Copy, Default)]
@@ -43,7 +323,9 @@ struct Row {
     count: usize,
     algo: &'static str,
     oop: Cell,
-    ip: Cell,
+    /// Absent for a collective without an in-place form (all-to-all).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ip: Option<Cell>,
 }
 
 #[derive(Serialize)]
@@ -56,6 +338,10 @@ struct Bound {
 #[derive(Serialize)]
 struct Report {
     tool: &'static str,
+    collective: &'static str,
+    /// The root of a rooted collective.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    root: Option<usize>,
     ranks: usize,
     dtype: String,
     op: String,
@@ -114,14 +400,19 @@ fn sum_over_ranks(comm: &Communicator, v: u64) -> Result<u64, Error> {
 /// Longest time [`measure_bound`] measures for, whatever `iters` asks: the other ranks wait meanwhile.
 const BOUND_BUDGET: std::time::Duration = std::time::Duration::from_millis(50);
 
-/// Seconds per `out = a + b` over `bytes` bytes: the average of at most `iters` runs, fewer when they
-/// would take longer than [`BOUND_BUDGET`] (at least one run).
-fn measure_bound(bytes: usize, iters: usize, dtype: DType) -> f64 {
+/// Seconds per `out = a + b` (or, with `copy`, `out = a`) over `bytes` bytes: the average of at most
+/// `iters` runs, fewer when they would take longer than [`BOUND_BUDGET`] (at least one run).
+fn measure_bound(bytes: usize, iters: usize, dtype: DType, copy: bool) -> f64 {
     let a = vec![1u8; bytes];
     let b = vec![2u8; bytes];
     let mut out = vec![0u8; bytes];
     let run = |out: &mut [u8]| {
-        reduce::reduce_ordered(dtype, ReduceOp::Max, out, &[Src::Buf(&a), Src::Buf(&b)])
+        if copy {
+            out.copy_from_slice(&a);
+            std::hint::black_box(&mut *out);
+        } else {
+            reduce::reduce_ordered(dtype, ReduceOp::Max, out, &[Src::Buf(&a), Src::Buf(&b)])
+        }
     };
     for _ in 0..2 {
         run(&mut out);
@@ -151,47 +442,67 @@ pub fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-/// One rank's benchmark state: the buffers, reused across sizes.
+/// One rank's benchmark state: the buffers, reused across sizes. They are held as 8-byte words so that
+/// the typed in-place calls can view them as any element type.
 struct Bench<'a> {
     comm: &'a Communicator,
     a: &'a PerfArgs,
-    send: Vec<u8>,
-    recv: Vec<u8>,
+    /// The op the inputs are made for: the reduction, or sum for the collectives that do not reduce.
+    data_op: ReduceOp,
+    send: Vec<u64>,
+    recv: Vec<u64>,
     factor: f64,
 }
 
 impl Bench<'_> {
+    /// One call of the collective at `s`, out of place (the send and receive buffers) or in place (the
+    /// receive buffer, `s.bytes` long).
+    fn call(&mut self, s: &Shape, in_place: bool) -> Result<(), Error> {
+        let (comm, a) = (self.comm, self.a);
+        let recv: &mut [u8] = bytemuck::cast_slice_mut(&mut self.recv);
+        if in_place {
+            self::in_place(comm, a.collective, a.dtype, a.op, &mut recv[..s.bytes])
+        } else {
+            let send: &[u8] = bytemuck::cast_slice(&self.send);
+            out_of_place(
+                comm,
+                a.collective,
+                a.dtype,
+                a.op,
+                &send[..s.send],
+                &mut recv[..s.recv],
+            )
+        }
+    }
+
     /// Checks one call against `want` (when checking), then times `iters` calls; the slowest rank's
     /// average and the wrong elements summed over ranks.
-    fn measure(&mut self, bytes: usize, in_place: bool, want: &[u8]) -> Result<Cell, Error> {
-        let (comm, a) = (self.comm, self.a);
-        let (dtype, op, rank) = (a.dtype, a.op, comm.rank());
-        let (send, recv) = (&mut self.send, &mut self.recv);
-        let once = |send: &mut [u8], recv: &mut [u8]| -> Result<(), Error> {
-            if in_place {
-                comm.all_reduce_bytes_in_place(&mut recv[..bytes], dtype, op)
-            } else {
-                comm.all_reduce_bytes(&send[..bytes], &mut recv[..bytes], dtype, op)
-            }
-        };
+    fn measure(&mut self, s: &Shape, in_place: bool, want: Option<&Expect>) -> Result<Cell, Error> {
+        let es = self.a.dtype.size();
         let mut w = 0;
-        if a.check {
-            fill(&mut send[..bytes], dtype, op, rank);
-            fill(
-                &mut recv[..bytes],
-                dtype,
-                op,
-                if in_place { rank } else { rank + 1000 },
-            );
-            once(send, recv)?;
-            w = wrong(&recv[..bytes], want, dtype.size());
+        if let Some(e) = want {
+            let send: &mut [u8] = bytemuck::cast_slice_mut(&mut self.send);
+            let recv: &mut [u8] = bytemuck::cast_slice_mut(&mut self.recv);
+            if in_place {
+                recv[..s.bytes].copy_from_slice(&e.in_place);
+            } else {
+                send[..s.send].copy_from_slice(&e.send);
+                recv[..s.recv].fill(POISON);
+            }
+            self.call(s, in_place)?;
+            let recv: &[u8] = bytemuck::cast_slice(&self.recv);
+            w = match (in_place, &e.want, &e.want_in_place) {
+                (false, Some(want), _) => wrong(&recv[..s.recv], want, es),
+                (true, _, Some((at, want))) => wrong(&recv[*at..*at + want.len()], want, es),
+                _ => 0,
+            };
         }
-        for _ in 0..a.warmup {
-            once(send, recv)?;
+        for _ in 0..self.a.warmup {
+            self.call(s, in_place)?;
         }
-        let wrong = sum_over_ranks(comm, w)?;
-        let secs = self.time_only(bytes, in_place)?;
-        let algbw = bytes as f64 / secs / 1e9;
+        let wrong = sum_over_ranks(self.comm, w)?;
+        let secs = self.time_only(s, in_place)?;
+        let algbw = s.bytes as f64 / secs / 1e9;
         Ok(Cell {
             time_us: secs * 1e6,
             algbw,
@@ -201,19 +512,16 @@ impl Bench<'_> {
     }
 
     /// Times `iters` calls after a barrier: the slowest rank's average, in seconds.
-    fn time_only(&mut self, bytes: usize, in_place: bool) -> Result<f64, Error> {
-        let (comm, a) = (self.comm, self.a);
-        let (send, recv) = (&self.send[..bytes], &mut self.recv[..bytes]);
-        comm.barrier()?;
+    fn time_only(&mut self, s: &Shape, in_place: bool) -> Result<f64, Error> {
+        self.comm.barrier()?;
         let t = Instant::now();
-        for _ in 0..a.iters {
-            if in_place {
-                comm.all_reduce_bytes_in_place(recv, a.dtype, a.op)?;
-            } else {
-                comm.all_reduce_bytes(send, recv, a.dtype, a.op)?;
-            }
+        for _ in 0..self.a.iters {
+            self.call(s, in_place)?;
         }
-        max_over_ranks(comm, t.elapsed().as_secs_f64() / a.iters.max(1) as f64)
+        max_over_ranks(
+            self.comm,
+            t.elapsed().as_secs_f64() / self.a.iters.max(1) as f64,
+        )
     }
 }
 
@@ -229,23 +537,29 @@ struct AlgoRow {
 /// Runs the benchmark as one rank of `comm`; rank 0 prints and writes the report.
 pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
     let (rank, world) = (comm.rank(), comm.world_size());
-    let (dtype, op, es) = (a.dtype, a.op, a.dtype.size());
-    let sizes = sweep(a.min_bytes, a.max_bytes, a.factor);
-    let max = sizes.iter().copied().max().unwrap_or(0) / es * es;
+    let (coll, dtype, es) = (a.collective, a.dtype, a.dtype.size());
+    let reducing = reduces(coll);
+    let op_name = if reducing { a.op.name() } else { "none" };
+    let shapes: Vec<Shape> = sweep(a.min_bytes, a.max_bytes, a.factor)
+        .into_iter()
+        .map(|size| Shape::new(coll, size, es, world))
+        .collect();
+    let max = shapes.iter().map(|s| s.bytes).max().unwrap_or(0);
     let factor = if world > 1 {
-        2.0 * (world - 1) as f64 / world as f64
+        busbw_factor(coll, world)
     } else {
         1.0
     };
     let mut bench = Bench {
         comm,
         a,
-        send: vec![0u8; max],
-        recv: vec![0u8; max],
+        data_op: if reducing { a.op } else { ReduceOp::Sum },
+        send: vec![0u64; max.div_ceil(8)],
+        recv: vec![0u64; max.div_ceil(8)],
         factor,
     };
     let candidates: Vec<Algo> = match a.algo.as_deref() {
-        Some("all") => Collective::AllReduce.algos().to_vec(),
+        Some("all") => coll.algos().to_vec(),
         Some(list) => list
             .split(',')
             .map(str::parse::<Algo>)
@@ -254,14 +568,21 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
     };
     let all_algos = candidates.len() > 1;
     if let [only] = candidates[..] {
-        comm.set_algorithm(Collective::AllReduce, Some(only))?;
+        comm.set_algorithm(coll, Some(only))?;
     }
+    let root = matches!(coll, Collective::Broadcast | Collective::Reduce).then_some(ROOT);
     if rank == 0 {
         println!(
-            "# braid perf: {world} ranks over {}, {} {}, {} iterations after {} warm-up",
+            "# braid perf: {}{}, {world} ranks over {}, {}{}, {} iterations after {} warm-up",
+            coll.name(),
+            root.map_or(String::new(), |r| format!(" from root {r}")),
             comm.transports_summary(),
             dtype,
-            op,
+            if reducing {
+                format!(" {}", a.op)
+            } else {
+                String::new()
+            },
             a.iters,
             a.warmup
         );
@@ -272,17 +593,19 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
         }
     }
     // Warm up once at the largest and the smallest size (page faults, slots, caches), as nccl-tests does.
-    for bytes in [max, sizes.first().map_or(0, |s| s / es * es)] {
+    let largest = shapes.iter().max_by_key(|s| s.bytes).copied();
+    for s in largest.iter().chain(shapes.first()) {
         for _ in 0..a.warmup.max(1) {
-            let (s, r) = (&bench.send[..bytes], &mut bench.recv[..bytes]);
-            comm.all_reduce_bytes(s, r, dtype, op)?;
+            bench.call(s, false)?;
         }
     }
     let mut report = Report {
         tool: "braid",
+        collective: coll.name(),
+        root,
         ranks: world,
         dtype: dtype.name().into(),
-        op: op.name().into(),
+        op: op_name.into(),
         iters: a.iters,
         warmup: a.warmup,
         results: vec![],
@@ -291,17 +614,17 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
     };
     let mut total_wrong = 0;
     let mut busbw_sum = 0.0;
-    let progress = crate::progress::Progress::new(rank == 0, sizes.len());
-    for &size in &sizes {
-        let count = size / es;
-        let bytes = count * es;
-        let want = if a.check {
-            expected(bytes, dtype, op, world)
-        } else {
-            Vec::new()
-        };
+    let progress = crate::progress::Progress::new(rank == 0, shapes.len());
+    for s in &shapes {
+        let (bytes, count) = (s.bytes, s.count);
+        // What the tuner is asked about: the element count of the call, in bytes.
+        let tuner_bytes = count * es;
+        let expect = a
+            .check
+            .then(|| Expect::new(coll, s, dtype, bench.data_op, rank, world));
+        let want = expect.as_ref();
         let bound = if rank == 0 && bytes > 0 {
-            measure_bound(bytes, a.iters.max(1), dtype)
+            measure_bound(bytes, a.iters.max(1), dtype, !reducing)
         } else {
             0.0
         };
@@ -312,22 +635,22 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
             0.0
         };
         if all_algos {
-            let (pick, _) = comm.algorithm(Collective::AllReduce, bytes);
+            let (pick, _) = comm.algorithm(coll, tuner_bytes);
             let mut cells = std::collections::BTreeMap::new();
             // Check and time each algorithm, then time them again in interleaved rounds: on a shared
             // machine a single batch is at the mercy of whatever else runs; the median of the rounds is not.
             let mut times: std::collections::BTreeMap<&'static str, Vec<f64>> = Default::default();
             for algo in &candidates {
-                comm.set_algorithm(Collective::AllReduce, Some(*algo))?;
-                let c = bench.measure(bytes, false, &want)?;
+                comm.set_algorithm(coll, Some(*algo))?;
+                let c = bench.measure(s, false, want)?;
                 total_wrong += c.wrong;
                 times.entry(algo.name()).or_default().push(c.time_us / 1e6);
                 cells.insert(algo.name(), c);
             }
             for _ in 1..ALGO_ROUNDS {
                 for algo in &candidates {
-                    comm.set_algorithm(Collective::AllReduce, Some(*algo))?;
-                    let t = bench.time_only(bytes, false)?;
+                    comm.set_algorithm(coll, Some(*algo))?;
+                    let t = bench.time_only(s, false)?;
                     times.entry(algo.name()).or_default().push(t);
                 }
             }
@@ -342,7 +665,7 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
                     wrong: c.wrong,
                 };
             }
-            comm.set_algorithm(Collective::AllReduce, None)?;
+            comm.set_algorithm(coll, None)?;
             let best = cells
                 .iter()
                 .min_by(|x, y| x.1.time_us.total_cmp(&y.1.time_us))
@@ -355,7 +678,7 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
                         bytes,
                         count,
                         dtype,
-                        op,
+                        op_name,
                         &cells,
                         pick.name(),
                         best,
@@ -372,23 +695,33 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
                 });
             }
         } else {
-            let oop = bench.measure(bytes, false, &want)?;
-            let ip = bench.measure(bytes, true, &want)?;
-            total_wrong += oop.wrong + ip.wrong;
+            let oop = bench.measure(s, false, want)?;
+            let ip = if has_in_place(coll) {
+                Some(bench.measure(s, true, want)?)
+            } else {
+                None
+            };
+            total_wrong += oop.wrong + ip.map_or(0, |c| c.wrong);
             busbw_sum += oop.busbw;
-            let algo = comm.algorithm(Collective::AllReduce, bytes).0.name();
+            let algo = comm.algorithm(coll, tuner_bytes).0.name();
             if rank == 0 {
                 let pct = if bound_busbw > 0.0 {
                     100.0 * oop.busbw / bound_busbw
                 } else {
                     0.0
                 };
+                let ip_cols = match ip {
+                    Some(ip) => format!(
+                        "{:>10.2} {:>8.2} {:>8.2} {:>6}",
+                        ip.time_us, ip.algbw, ip.busbw, ip.wrong
+                    ),
+                    None => format!("{:>10} {:>8} {:>8} {:>6}", "n/a", "n/a", "n/a", "n/a"),
+                };
                 progress.suspend(|| {
                     println!(
-                        "  {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10.2} {:>8.2} {:>8.2} {:>6} | {:>10.2} {:>8.2} {:>8.2} {:>6} | {:>8.2} {:>5.0}%",
-                        bytes, count, dtype.name(), op.name(), algo,
+                        "  {:>10} {:>12} {:>8} {:>6} {:>6} | {:>10.2} {:>8.2} {:>8.2} {:>6} | {ip_cols} | {:>8.2} {:>5.0}%",
+                        bytes, count, dtype.name(), op_name, algo,
                         oop.time_us, oop.algbw, oop.busbw, oop.wrong,
-                        ip.time_us, ip.algbw, ip.busbw, ip.wrong,
                         bound_busbw, pct
                     )
                 });
@@ -418,14 +751,14 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
         );
         println!(
             "# Avg bus bandwidth    : {:.3}",
-            busbw_sum / sizes.len().max(1) as f64
+            busbw_sum / shapes.len().max(1) as f64
         );
         if let Some(path) = &a.json {
             let text = serde_json::to_string_pretty(&report).expect("report serialises");
             std::fs::write(path, text).map_err(|e| Error::io(format!("writing {path}"), e))?;
         }
         if let Some(path) = &a.plot {
-            crate::plot::busbw(path, &report_series(&report), world)
+            crate::plot::busbw(path, &report_series(&report), coll.name(), world)
                 .map_err(|e| Error::io(format!("plotting {path}"), std::io::Error::other(e)))?;
         }
     }
@@ -507,7 +840,7 @@ fn print_algo_row(
     bytes: usize,
     count: usize,
     dtype: DType,
-    op: ReduceOp,
+    op: &str,
     cells: &std::collections::BTreeMap<&'static str, Cell>,
     pick: &str,
     best: &str,
@@ -536,7 +869,7 @@ fn print_algo_row(
         bytes,
         count,
         dtype.name(),
-        op.name(),
+        op,
         cols.join(" "),
         pick,
         best,
@@ -562,16 +895,146 @@ mod tests {
     }
 
     #[test]
+    fn collectives_parse_and_an_unknown_one_lists_the_valid_names() {
+        assert_eq!(
+            parse_collective("broadcast").unwrap(),
+            Collective::Broadcast
+        );
+        assert_eq!(
+            parse_collective("allgather").unwrap(),
+            Collective::AllGather
+        );
+        for c in COLLECTIVES {
+            assert_eq!(parse_collective(c.name()).unwrap(), c);
+        }
+        for bad in ["gather", "barrier", ""] {
+            let e = parse_collective(bad).unwrap_err();
+            for c in COLLECTIVES {
+                assert!(e.contains(c.name()), "{e}");
+            }
+            assert!(!e.contains("barrier,"), "{e}");
+        }
+    }
+
+    #[test]
+    fn sizes_and_bus_bandwidth_follow_nccl_tests() {
+        // 1000 bytes of f32 on 3 ranks: 250 elements, 83 per rank, 996 bytes in all.
+        let s = |c| Shape::new(c, 1000, 4, 3);
+        let whole = Shape {
+            bytes: 1000,
+            count: 250,
+            send: 1000,
+            recv: 1000,
+        };
+        assert_eq!(s(Collective::AllReduce), whole);
+        assert_eq!(s(Collective::Broadcast), whole);
+        assert_eq!(s(Collective::Reduce), whole);
+        let gather = Shape {
+            bytes: 996,
+            count: 83,
+            send: 332,
+            recv: 996,
+        };
+        assert_eq!(s(Collective::AllGather), gather);
+        assert_eq!(
+            s(Collective::ReduceScatter),
+            Shape {
+                send: 996,
+                recv: 332,
+                ..gather
+            }
+        );
+        assert_eq!(
+            s(Collective::AllToAll),
+            Shape {
+                send: 996,
+                recv: 996,
+                ..gather
+            }
+        );
+        // Partial elements go first: 10 bytes of f64 are one element.
+        assert_eq!(Shape::new(Collective::AllReduce, 10, 8, 2).bytes, 8);
+        assert_eq!(Shape::new(Collective::AllGather, 8, 4, 3).bytes, 0);
+        assert_eq!(busbw_factor(Collective::AllReduce, 4), 1.5);
+        assert_eq!(busbw_factor(Collective::AllGather, 4), 0.75);
+        assert_eq!(busbw_factor(Collective::ReduceScatter, 4), 0.75);
+        assert_eq!(busbw_factor(Collective::AllToAll, 4), 0.75);
+        assert_eq!(busbw_factor(Collective::Broadcast, 4), 1.0);
+        assert_eq!(busbw_factor(Collective::Reduce, 4), 1.0);
+    }
+
+    #[test]
+    fn expected_results_agree_with_what_the_ranks_send() {
+        let (op, world) = (ReduceOp::Sum, 3);
+        for (dtype, c) in DType::ALL
+            .into_iter()
+            .flat_map(|d| COLLECTIVES.map(|c| (d, c)))
+        {
+            let es = dtype.size();
+            let s = Shape::new(c, 4 * 3 * 10, es, world);
+            let e: Vec<Expect> = (0..world)
+                .map(|r| Expect::new(c, &s, dtype, op, r, world))
+                .collect();
+            let block = s.count * es;
+            let sends: Vec<Vec<u8>> = e.iter().map(|x| x.send.clone()).collect();
+            for (r, x) in e.iter().enumerate() {
+                assert_eq!(x.send.len(), s.send, "{c}");
+                if has_in_place(c) {
+                    assert_eq!(x.in_place.len(), s.bytes, "{c}");
+                }
+                let want = x.want.clone();
+                match c {
+                    Collective::AllReduce => assert_eq!(want, Some(reduced(&sends, dtype, op))),
+                    Collective::Reduce => assert_eq!(
+                        want,
+                        (r == ROOT).then(|| reduced(&sends, dtype, op)),
+                        "{c} {r}"
+                    ),
+                    Collective::Broadcast => assert_eq!(want.as_ref(), Some(&sends[ROOT])),
+                    Collective::AllGather => {
+                        assert_eq!(want, Some(sends.concat()));
+                        assert_eq!(x.in_place[r * block..(r + 1) * block], sends[r][..]);
+                    }
+                    Collective::ReduceScatter => {
+                        let all = reduced(&sends, dtype, op);
+                        assert_eq!(want.as_deref(), Some(&all[r * block..(r + 1) * block]));
+                        assert_eq!(x.want_in_place.as_ref().map(|w| w.0), Some(r * block));
+                    }
+                    _ => {
+                        for (p, send) in sends.iter().enumerate() {
+                            assert_eq!(
+                                want.as_ref().unwrap()[p * block..(p + 1) * block],
+                                send[r * block..(r + 1) * block],
+                                "{c}: block {p} of rank {r}"
+                            );
+                        }
+                    }
+                }
+                // A result never written (still poisoned) is wrong in every element.
+                if let Some(w) = &x.want {
+                    assert!(!w.is_empty(), "{c}");
+                    assert_eq!(
+                        wrong(&vec![POISON; w.len()], w, es),
+                        (w.len() / es) as u64,
+                        "{c} {dtype}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
     fn the_memory_bound_takes_its_time_budget_not_its_iterations() {
         let t = Instant::now();
-        let secs = measure_bound(1 << 20, 20_000, DType::F32);
+        let secs = measure_bound(1 << 20, 20_000, DType::F32, false);
         let took = t.elapsed();
         assert!(secs > 0.0 && secs.is_finite(), "{secs}");
         // 20000 runs over a MiB take seconds; the budget is 50 ms.
         assert!(took < std::time::Duration::from_secs(1), "took {took:?}");
         // Few iterations are all run.
         let t = Instant::now();
-        assert!(measure_bound(64, 3, DType::F32) > 0.0);
+        assert!(measure_bound(64, 3, DType::F32, false) > 0.0);
+        assert!(measure_bound(64, 3, DType::F32, true) > 0.0);
         assert!(t.elapsed() < BOUND_BUDGET);
     }
 }

@@ -28,8 +28,13 @@ pub(crate) fn load_font() -> Result<(), String> {
     ))
 }
 
-/// Writes `series` (name, points of (bytes, busbw GB/s)) to `path`.
-pub fn busbw(path: &str, series: &[(String, Vec<(f64, f64)>)], world: usize) -> Result<(), String> {
+/// Writes `series` (name, points of (bytes, busbw GB/s)) of collective `what` to `path`.
+pub fn busbw(
+    path: &str,
+    series: &[(String, Vec<(f64, f64)>)],
+    what: &str,
+    world: usize,
+) -> Result<(), String> {
     load_font()?;
     let pts = series
         .iter()
@@ -49,7 +54,7 @@ pub fn busbw(path: &str, series: &[(String, Vec<(f64, f64)>)], world: usize) -> 
     root.fill(&WHITE).map_err(|e| e.to_string())?;
     let mut chart = ChartBuilder::on(&root)
         .caption(
-            format!("braid all-reduce, {world} ranks: bus bandwidth"),
+            format!("braid {what}, {world} ranks: bus bandwidth"),
             ("sans-serif", 24),
         )
         .margin(15)

@@ -80,3 +80,79 @@ fn many_iterations_do_not_time_out_the_ranks_waiting_for_the_memory_bound() {
         start.elapsed()
     );
 }
+
+#[test]
+fn an_unknown_collective_is_refused_with_the_valid_names() {
+    for bad in ["gather", "barrier", "all_reducex"] {
+        let o = braid(&["perf", "--ranks", "2", "--collective", bad], &[]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+        assert!(err.contains(bad), "{}", show(&o));
+        for name in [
+            "all_reduce",
+            "broadcast",
+            "reduce",
+            "all_gather",
+            "reduce_scatter",
+            "all_to_all",
+        ] {
+            assert!(err.contains(name), "{name} is not listed:\n{}", show(&o));
+        }
+        assert!(o.stdout.is_empty(), "it measured something:\n{}", show(&o));
+    }
+}
+
+#[test]
+fn an_algorithm_the_collective_lacks_is_refused() {
+    let o = braid(
+        &[
+            "perf",
+            "--ranks",
+            "2",
+            "--collective",
+            "broadcast",
+            "--algo",
+            "rhd",
+        ],
+        &[],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.code() == Some(2)
+            && err.contains("rhd")
+            && err.contains("ring")
+            && err.contains("tree"),
+        "{}",
+        show(&o)
+    );
+    assert!(o.stdout.is_empty(), "it measured something:\n{}", show(&o));
+}
+
+#[test]
+fn a_collective_may_be_spelled_without_underscores() {
+    let o = braid(
+        &[
+            "perf",
+            "--ranks",
+            "2",
+            "--collective",
+            "allgather",
+            "-b",
+            "64",
+            "-e",
+            "64",
+            "-n",
+            "1",
+            "-w",
+            "0",
+        ],
+        &[],
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(
+        out.starts_with("# braid perf: all_gather,") && out.contains("Out of bounds values : 0 OK"),
+        "{}",
+        show(&o)
+    );
+}

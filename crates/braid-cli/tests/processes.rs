@@ -748,6 +748,144 @@ fn test_perf_all_algorithms_and_plot() {
     );
 }
 
+fn test_perf_every_collective() {
+    // nccl-tests' busbw / algbw on n ranks.
+    fn factor(name: &str, n: f64) -> f64 {
+        match name {
+            "all_reduce" => 2.0 * (n - 1.0) / n,
+            "broadcast" | "reduce" => 1.0,
+            _ => (n - 1.0) / n,
+        }
+    }
+    // (name, whether the size is split into one block per rank, whether it has an in-place form).
+    let collectives = [
+        ("all_reduce", false, true),
+        ("broadcast", false, true),
+        ("reduce", false, true),
+        ("all_gather", true, true),
+        ("reduce_scatter", true, true),
+        ("all_to_all", true, false),
+    ];
+    for (name, split, in_place) in collectives {
+        for ranks in [2usize, 3] {
+            let what = format!("{name} on {ranks} ranks");
+            let json = std::env::temp_dir().join(format!(
+                "braid-perf-{name}-{ranks}-{}.json",
+                std::process::id()
+            ));
+            let o = Command::new(braid())
+                .args(["perf", "--ranks", &ranks.to_string(), "--collective", name])
+                .args([
+                    "-b", "1000", "-e", "256000", "-f", "16", "-n", "2", "-w", "1",
+                ])
+                .args(["-c", "1", "--json"])
+                .arg(&json)
+                .env_remove("BRAID_RANK")
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{what}: {}", show(&o));
+            let out = String::from_utf8_lossy(&o.stdout);
+            assert!(
+                out.contains("Out of bounds values : 0 OK"),
+                "{what}:\n{out}"
+            );
+            assert!(
+                out.lines().next().unwrap_or_default().contains(name),
+                "{what}: the header does not name it:\n{out}"
+            );
+            let text = std::fs::read_to_string(&json).unwrap();
+            std::fs::remove_file(&json).unwrap();
+            let report: serde_json::Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(report["collective"], name, "{what}: {text}");
+            assert_eq!(report["ranks"], ranks, "{what}: {text}");
+            let rows = report["results"].as_array().unwrap();
+            // 1000, 16000 and 256000 bytes of f32, rounded down to a multiple of ranks × 4 where split.
+            let want: Vec<u64> = [1000u64, 16000, 256000]
+                .iter()
+                .map(|&b| {
+                    let unit = if split { 4 * ranks as u64 } else { 4 };
+                    b / unit * unit
+                })
+                .collect();
+            let sizes: Vec<u64> = rows.iter().map(|r| r["size"].as_u64().unwrap()).collect();
+            assert_eq!(sizes, want, "{what}: {text}");
+            let lines: Vec<&str> = out
+                .lines()
+                .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+                .collect();
+            assert_eq!(lines.len(), rows.len(), "{what}:\n{out}");
+            for (row, line) in rows.iter().zip(lines) {
+                let size = row["size"].as_u64().unwrap();
+                let count = row["count"].as_u64().unwrap();
+                let per_rank = if split {
+                    size / 4 / ranks as u64
+                } else {
+                    size / 4
+                };
+                assert_eq!(count, per_rank, "{what}: {row}");
+                assert!(
+                    line.split_whitespace()
+                        .take(2)
+                        .eq([size.to_string(), count.to_string()]),
+                    "{what}: row {line:?} is not size {size}, count {count}"
+                );
+                let oop = &row["oop"];
+                assert_eq!(oop["wrong"], 0, "{what}: {row}");
+                let (algbw, busbw) = (
+                    oop["algbw"].as_f64().unwrap(),
+                    oop["busbw"].as_f64().unwrap(),
+                );
+                assert!(algbw > 0.0, "{what}: {row}");
+                let f = factor(name, ranks as f64);
+                assert!(
+                    (busbw - algbw * f).abs() <= 1e-9 * algbw.max(1.0),
+                    "{what}: busbw {busbw} is not {f} × algbw {algbw}"
+                );
+                assert_eq!(row.get("ip").is_some(), in_place, "{what}: {row}");
+                if in_place {
+                    assert_eq!(row["ip"]["wrong"], 0, "{what}: {row}");
+                } else {
+                    assert!(line.contains("n/a"), "{what}: {line}");
+                }
+            }
+        }
+    }
+    // The algorithms of a collective other than all-reduce, side by side.
+    for (name, algos) in [
+        ("broadcast", &["ring", "tree"][..]),
+        ("all_gather", &["ring", "direct"][..]),
+    ] {
+        let o = Command::new(braid())
+            .args([
+                "perf",
+                "--ranks",
+                "3",
+                "--collective",
+                name,
+                "--algo",
+                "all",
+            ])
+            .args(["-b", "1K", "-e", "64K", "-f", "64", "-n", "2", "-w", "1"])
+            .env_remove("BRAID_RANK")
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{name}: {}", show(&o));
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(out.contains("Out of bounds values : 0 OK"), "{out}");
+        let header = out
+            .lines()
+            .find(|l| l.contains("pick/best"))
+            .unwrap_or_default();
+        for a in algos {
+            assert!(header.contains(a), "{name}: no {a} column:\n{out}");
+        }
+        assert!(
+            !header.contains("rhd"),
+            "{name}: an all-reduce algorithm:\n{out}"
+        );
+    }
+}
+
 fn test_tune_writes_a_file_the_runtime_uses() {
     let file = std::env::temp_dir().join(format!("braid-tune-{}.json", std::process::id()));
     let o = Command::new(braid())
@@ -822,6 +960,10 @@ fn main() {
         case(
             "braid perf --algo all marks the pick and plots",
             test_perf_all_algorithms_and_plot,
+        ),
+        case(
+            "braid perf measures every collective, checked",
+            test_perf_every_collective,
         ),
         case(
             "braid tune writes a file the runtime uses",
