@@ -103,6 +103,10 @@ enum Cmd {
         /// Also plot busbw against size (log-log) to this PNG file.
         #[arg(long)]
         plot: Option<String>,
+        /// Register the send buffer with the transports (`Communicator::register`), so that RDMA
+        /// sends from it without a copy.
+        #[arg(long)]
+        register: bool,
     },
     /// Compression side by side: each codec's throughput against memcpy, then the dense and the
     /// compressed all-reduce of one gradient (time, speed-up, bytes sent). Runs N local ranks (--ranks),
@@ -357,6 +361,7 @@ fn main() {
             collective,
             algo,
             plot,
+            register,
         } => {
             let args = (|| -> Result<perf::PerfArgs, String> {
                 let collective = perf::parse_collective(&collective)?;
@@ -392,6 +397,7 @@ fn main() {
                     json,
                     algo,
                     plot,
+                    register,
                 })
             })();
             match args {

@@ -48,6 +48,8 @@ pub struct PerfArgs {
     pub algo: Option<String>,
     /// Where to plot busbw against size.
     pub plot: Option<String>,
+    /// Whether to register the send buffer for sends without a copy.
+    pub register: bool,
 }
 
 /// The collectives `braid perf` measures, in the order its errors list them.
@@ -442,6 +444,37 @@ pub fn median(v: &mut [f64]) -> f64 {
     }
 }
 
+/// The send buffer's registration (`--register`), ended on every way out of [`run`].
+struct SendRegistration<'a> {
+    comm: &'a Communicator,
+    ptr: *const u8,
+    len: usize,
+    zero_copy: bool,
+}
+
+impl<'a> SendRegistration<'a> {
+    fn new(comm: &'a Communicator, buf: &[u64]) -> Result<SendRegistration<'a>, Error> {
+        let (ptr, len) = (buf.as_ptr().cast::<u8>(), std::mem::size_of_val(buf));
+        // SAFETY: `buf` is the benchmark's send vector, which lives (and is never reallocated) for as
+        // long as `run` holds this registration; it is rewritten only between collectives.
+        let zero_copy = unsafe { comm.register_raw(ptr, len)? };
+        Ok(SendRegistration {
+            comm,
+            ptr,
+            len,
+            zero_copy,
+        })
+    }
+}
+
+impl Drop for SendRegistration<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = self.comm.deregister_raw(self.ptr, self.len) {
+            eprintln!("braid perf: deregistering the send buffer: {e}");
+        }
+    }
+}
+
 /// One rank's benchmark state: the buffers, reused across sizes. They are held as 8-byte words so that
 /// the typed in-place calls can view them as any element type.
 struct Bench<'a> {
@@ -558,6 +591,12 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
         recv: vec![0u64; max.div_ceil(8)],
         factor,
     };
+    // Registered for as long as this function runs: the buffer is never reallocated meanwhile.
+    let registered = if a.register {
+        Some(SendRegistration::new(comm, &bench.send)?)
+    } else {
+        None
+    };
     let candidates: Vec<Algo> = match a.algo.as_deref() {
         Some("all") => coll.algos().to_vec(),
         Some(list) => list
@@ -586,6 +625,16 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
             a.iters,
             a.warmup
         );
+        if let Some(r) = &registered {
+            println!(
+                "# send buffer registered: {}",
+                if r.zero_copy {
+                    "sent without a copy where the route is rdma"
+                } else {
+                    "no transport here sends without a copy"
+                }
+            );
+        }
         if all_algos {
             print_algo_header(&candidates);
         } else {

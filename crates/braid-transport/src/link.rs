@@ -31,6 +31,9 @@ pub enum Event {
     Data,
     /// Room for a message to the peer on the channel.
     Credit,
+    /// Every post to the peer on the channel that [`Link::post_from`] made has stopped reading the
+    /// caller's memory.
+    Sent,
 }
 
 impl Event {
@@ -39,6 +42,7 @@ impl Event {
         match self {
             Event::Data => "data",
             Event::Credit => "a free slot",
+            Event::Sent => "its sends from the caller's buffer to finish",
         }
     }
 }
@@ -264,6 +268,42 @@ pub trait Link: Send {
 
     /// What other threads may do to this link.
     fn abort_handle(&self) -> Arc<dyn AbortHandle>;
+
+    /// Registers caller memory so that [`Link::post_from`] can send from it without a copy; returns
+    /// whether this link will. The memory must stay mapped until [`Link::deregister`]. Links that copy
+    /// anyway keep nothing and return `false`.
+    fn register(&self, span: Span) -> Result<bool, Error> {
+        let _ = span;
+        Ok(false)
+    }
+
+    /// Forgets a registration made by [`Link::register`] with the same span, once no post reads it.
+    fn deregister(&self, span: Span) -> Result<(), Error> {
+        let _ = span;
+        Ok(())
+    }
+
+    /// Posts a reserved slot whose payload is `src` itself, without copying it into the slot, where
+    /// this link can (`src` inside registered memory): `Ok(None)`. Otherwise `Ok(Some(slot))` hands the
+    /// token back, and the caller writes the slot and posts it as usual. After `Ok(None)` the caller
+    /// leaves `src` unchanged until [`Link::unsettled`] no longer names the peer on the channel.
+    fn post_from(
+        &self,
+        slot: SendSlot,
+        src: Span,
+        tag: u32,
+        ctx: &WaitCtx<'_>,
+    ) -> Result<Option<SendSlot>, Error> {
+        let _ = (src, tag, ctx);
+        Ok(Some(slot))
+    }
+
+    /// A peer that a [`Link::post_from`] on channel `ch` still reads the caller's memory for, if any
+    /// (wait for it with [`Event::Sent`]).
+    fn unsettled(&self, ch: usize) -> Option<usize> {
+        let _ = ch;
+        None
+    }
 }
 
 /// An error for a token used on a link that did not make it, or out of order.

@@ -257,6 +257,8 @@ impl MemLink {
                 let q = &st.queues[self.net.queue(self.rank, peer, ch)];
                 ring.reserved.get().wrapping_sub(q.consumed) < slots
             }
+            // Posts copy into the slot: nothing reads the caller's memory afterwards.
+            Event::Sent => true,
         };
         if !ready && st.dead[peer] {
             return Err(ctx.peer_failed(peer, "was killed"));

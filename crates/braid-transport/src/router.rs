@@ -7,6 +7,7 @@ use std::time::Instant;
 use braid_core::Error;
 
 use crate::link::{misuse, AbortHandle, Event, Link, RecvSlot, SendSlot};
+use crate::memory::Span;
 use crate::setup::Geometry;
 use crate::WaitCtx;
 
@@ -198,6 +199,48 @@ impl Link for Router {
         Arc::new(AllHandles(
             self.links.iter().map(|l| l.abort_handle()).collect(),
         ))
+    }
+
+    fn register(&self, span: Span) -> Result<bool, Error> {
+        let mut any = false;
+        for (i, l) in self.links.iter().enumerate() {
+            match l.register(span) {
+                Ok(used) => any |= used,
+                Err(e) => {
+                    // All or nothing: what the others registered goes again.
+                    for l in &self.links[..i] {
+                        let _ = l.deregister(span);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(any)
+    }
+
+    fn deregister(&self, span: Span) -> Result<(), Error> {
+        let mut first = Ok(());
+        for l in &self.links {
+            if let Err(e) = l.deregister(span) {
+                first = first.and(Err(e));
+            }
+        }
+        first
+    }
+
+    #[inline]
+    fn post_from(
+        &self,
+        slot: SendSlot,
+        src: Span,
+        tag: u32,
+        ctx: &WaitCtx<'_>,
+    ) -> Result<Option<SendSlot>, Error> {
+        self.to(slot.peer)?.post_from(slot, src, tag, ctx)
+    }
+
+    fn unsettled(&self, ch: usize) -> Option<usize> {
+        self.links.iter().find_map(|l| l.unsettled(ch))
     }
 }
 

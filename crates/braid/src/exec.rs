@@ -238,6 +238,11 @@ impl Executor {
         }
     }
 
+    /// The link to the other ranks (none alone).
+    pub(crate) fn link(&self) -> Option<&dyn Link> {
+        self.exec.link()
+    }
+
     /// Sets the ranks of each host (called once, after the bootstrap).
     pub(crate) fn set_hosts(&mut self, hosts: Vec<Vec<usize>>) {
         self.tuner.set_hosts(hosts.iter().map(Vec::len).collect());

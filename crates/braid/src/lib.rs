@@ -34,7 +34,7 @@ pub mod wire;
 pub use braid_compress;
 pub use braid_core::{Config, DType, DebugLevel, Element, Error, ReduceOp, Result};
 pub use braid_topo;
-pub use comm::Communicator;
+pub use comm::{Communicator, Registration};
 pub use compressed::{
     AdamSafe, AdamSend, ClipScope, CodecSpec, CompressedPath, CompressedReport, CompressionConfig,
     DensityWarmup, GradientCompressor, Output, SparsePath,

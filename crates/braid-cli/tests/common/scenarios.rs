@@ -22,6 +22,26 @@ pub fn assert_identical(c: &Communicator, out: &[u8], what: &str) {
 /// A buffer whose data starts one byte past an aligned address, so kernels see unaligned slices.
 /// Every algorithm of every collective, forced in turn, against the exact reference.
 pub fn scenario_algorithms(c: &Communicator) -> usize {
+    scenario_algorithms_registering(c, false)
+}
+
+/// `buf` registered with `c` when `register` is set; the registration must send without a copy
+/// (unless there is nothing to send).
+fn reg<'a>(c: &'a Communicator, register: bool, buf: &'a [u8]) -> Option<braid::Registration<'a>> {
+    register.then(|| {
+        let r = c.register(buf).unwrap();
+        assert!(
+            r.zero_copy() || buf.is_empty(),
+            "rank {}: a registration without zero copy",
+            c.rank()
+        );
+        r
+    })
+}
+
+/// [`scenario_algorithms`], with each send buffer registered (and the registration dropped after its
+/// collective) when `register` is set: every registration must send without a copy.
+pub fn scenario_algorithms_registering(c: &Communicator, register: bool) -> usize {
     let (rank, world) = (c.rank(), c.world_size());
     let mut checks = 0;
     for coll in Collective::TUNABLE {
@@ -41,7 +61,9 @@ pub fn scenario_algorithms(c: &Communicator) -> usize {
                             let ins = inputs(count * es, dtype, op, world);
                             let want = reduced(&ins, dtype, op);
                             let mut out = vec![0u8; count * es];
+                            let r = reg(c, register, &ins[rank]);
                             c.all_reduce_bytes(&ins[rank], &mut out, dtype, op).unwrap();
+                            drop(r);
                             assert!(out == want, "{what}");
                             assert_identical(c, &out, &what);
                             let mut buf = ins[rank].clone();
@@ -52,8 +74,10 @@ pub fn scenario_algorithms(c: &Communicator) -> usize {
                             let ins = inputs(world * count * es, dtype, op, world);
                             let want = reduced(&ins, dtype, op);
                             let mut out = vec![0u8; count * es];
+                            let r = reg(c, register, &ins[rank]);
                             c.reduce_scatter_bytes(&ins[rank], &mut out, dtype, op)
                                 .unwrap();
+                            drop(r);
                             assert!(
                                 out == want[rank * count * es..(rank + 1) * count * es],
                                 "{what}"
@@ -62,7 +86,9 @@ pub fn scenario_algorithms(c: &Communicator) -> usize {
                         Collective::AllGather => {
                             let ins = inputs(count * es, dtype, op, world);
                             let mut out = vec![0u8; world * count * es];
+                            let r = reg(c, register, &ins[rank]);
                             c.all_gather_bytes(&ins[rank], &mut out, dtype).unwrap();
+                            drop(r);
                             assert!(out == ins.concat(), "{what}");
                         }
                         Collective::Broadcast | Collective::Reduce => {
@@ -70,6 +96,7 @@ pub fn scenario_algorithms(c: &Communicator) -> usize {
                             let want = reduced(&ins, dtype, op);
                             for root in [0, world - 1] {
                                 let mut b = ins[rank].clone();
+                                let _r = reg(c, register, &ins[rank]);
                                 if coll == Collective::Broadcast {
                                     c.broadcast_bytes(&ins[rank], &mut b, dtype, root).unwrap();
                                     assert!(b == ins[root], "{what} root {root}");

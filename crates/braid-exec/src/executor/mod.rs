@@ -171,6 +171,9 @@ pub struct Run {
     started: Instant,
     deadline: Instant,
     steps: u64,
+    /// Whether a send went straight from the caller's buffer ([`Link::post_from`]): the run ends only
+    /// once the link has stopped reading it.
+    sent_from_caller: bool,
 }
 
 impl Run {
@@ -406,6 +409,7 @@ impl<E: Engine + ?Sized> Executor<E> {
             started,
             deadline: started + self.settings.timeout,
             steps: 0,
+            sent_from_caller: false,
         })
     }
 
@@ -732,6 +736,19 @@ impl<E: Engine + ?Sized> Executor<E> {
                             return Ok(Progress::Blocked(Wait::Engine(t)));
                         }
                         run.pending = None;
+                    }
+                    if run.sent_from_caller {
+                        // The caller gets its buffer back only when no write reads it any more.
+                        if let Some(peer) =
+                            self.link.as_deref().and_then(|l| l.unsettled(run.channel))
+                        {
+                            return Ok(Progress::Blocked(Wait::Link {
+                                peer,
+                                channel: run.channel,
+                                event: Event::Sent,
+                            }));
+                        }
+                        run.sent_from_caller = false;
                     }
                     run.phase = Phase::Done;
                     run.steps += 1;

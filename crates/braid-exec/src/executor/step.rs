@@ -357,7 +357,9 @@ impl<E: Engine + ?Sized> Cx<'_, E> {
                     Buf::Input => input(run, range)?,
                     Buf::Output => output(run, range)?,
                 };
-                self.send_copy(run, *to, src)
+                // The caller's input of an out-of-place op is read only: a link may send from it.
+                let direct = *buf == Buf::Input && !overlap(&run.op.send, &run.op.recv);
+                self.send(run, *to, src, direct)
             }
             Action::SendAcc { to, range } => {
                 if !self.reserve(run, *to)? {
@@ -473,7 +475,7 @@ impl<E: Engine + ?Sized> Cx<'_, E> {
             }
             Action::SendScratch { to, range } => {
                 let src = scratch(run, range)?;
-                self.send_copy(run, *to, src)
+                self.send(run, *to, src, false)
             }
             Action::FinishScratch { range, nranks } => {
                 let k = Kernel::FinishAcc {
@@ -539,16 +541,33 @@ impl<E: Engine + ?Sized> Cx<'_, E> {
         match forward {
             Some(to) => {
                 let src = output(run, or)?;
-                self.send_copy(run, to, src)
+                self.send(run, to, src, false)
             }
             None => Ok(None),
         }
     }
 
-    /// Sends a copy of `src` to `to` (once there is a credit).
-    fn send_copy(&mut self, run: &mut Run, to: usize, src: Span) -> Step {
+    /// Sends `src` to `to` (once there is a credit): from `src` itself where `direct` allows it and
+    /// the link can (registered memory, nothing queued before it), else as a copy into the slot.
+    fn send(&mut self, run: &mut Run, to: usize, src: Span, direct: bool) -> Step {
         if !self.reserve(run, to)? {
             return Ok(Some(credit(to, run)));
+        }
+        if direct
+            && src.len() >= DIRECT_MIN_BYTES
+            && run.pending.is_none()
+            && run.deferred.is_empty()
+        {
+            if let Some(slot) = run.tx.take() {
+                let ctx = run_ctx(self.rank, self.abort, run);
+                match self.link.post_from(slot, src, run.tag, &ctx)? {
+                    None => {
+                        run.sent_from_caller = true;
+                        return Ok(None);
+                    }
+                    Some(slot) => run.tx = Some(slot),
+                }
+            }
         }
         let k = Kernel::Copy {
             dst: self.out_slot(run, src.len())?,
@@ -558,6 +577,15 @@ impl<E: Engine + ?Sized> Cx<'_, E> {
         self.post(run, src.len())?;
         Ok(None)
     }
+}
+
+/// Below this many bytes a send is copied into the slot without asking the link: the copy is as cheap
+/// as the question.
+const DIRECT_MIN_BYTES: usize = 4096;
+
+/// Whether two spans share a byte.
+fn overlap(a: &Span, b: &Span) -> bool {
+    !a.is_empty() && !b.is_empty() && a.addr() < b.addr() + b.len() && b.addr() < a.addr() + a.len()
 }
 
 fn data(peer: usize, run: &Run) -> Wait {

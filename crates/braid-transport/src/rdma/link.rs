@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use braid_core::Error;
 use tracing::debug;
 
-use super::verbs::{Channel, Completion, Cq, Mr, Qp, Rts, Write};
+use super::verbs::{Channel, Completion, Cq, Mr, Pd, Qp, Rts, Write};
 use super::wire::{stripes, Header, Imm, HEADER};
 use crate::link::{check_token, misuse, AbortHandle, Event, Link, LinkId, RecvSlot, SendSlot};
 use crate::memory::Span;
@@ -24,23 +24,34 @@ pub(crate) fn stride(slot_bytes: usize) -> usize {
 const KIND_RECV: u64 = 1;
 const KIND_DATA: u64 = 2;
 const KIND_CREDIT: u64 = 3;
+/// A data write whose payload comes from the caller's registered memory.
+const KIND_DIRECT: u64 = 4;
 
-fn wr_id(kind: u64, pi: usize, q: usize) -> u64 {
-    (kind << 60) | ((pi as u64 & 0xffff_ffff) << 8) | (q as u64 & 0xff)
+/// A work request id: kind, channel, peer index and queue pair.
+fn wr_id(kind: u64, pi: usize, q: usize, ch: usize) -> u64 {
+    (kind << 60)
+        | ((ch as u64 & 0xfff) << 40)
+        | ((pi as u64 & 0xffff_ffff) << 8)
+        | (q as u64 & 0xff)
 }
 
-fn wr_parts(id: u64) -> (u64, usize, usize) {
+/// Kind, peer index, queue pair and channel of a work request id.
+fn wr_parts(id: u64) -> (u64, usize, usize, usize) {
     (
         id >> 60,
         ((id >> 8) & 0xffff_ffff) as usize,
         (id & 0xff) as usize,
+        ((id >> 40) & 0xfff) as usize,
     )
 }
 
 /// The work request id of a receive posted for peer `pi` on its queue pair `q`.
 pub(crate) fn recv_wr_id(pi: usize, q: usize) -> u64 {
-    wr_id(KIND_RECV, pi, q)
+    wr_id(KIND_RECV, pi, q, 0)
 }
+
+/// How long deregistering waits for the writes that read the caller's memory.
+const SETTLE: Duration = Duration::from_secs(10);
 
 /// Slice of a blocked wait between checks of deadline, abort and the peer.
 const SLICE: Duration = Duration::from_millis(5);
@@ -88,6 +99,8 @@ pub(crate) struct PeerLink {
     credit: (u64, u32),
     socket: Option<TcpStream>,
     outstanding: Vec<Cell<u32>>,
+    /// Per channel: writes from the caller's memory not yet completed.
+    direct: Vec<Cell<u32>>,
     send: Vec<SendRing>,
     recv: Vec<RecvRing>,
     failed: RefCell<Option<String>>,
@@ -116,6 +129,7 @@ impl PeerLink {
             ring,
             credit,
             socket,
+            direct: (0..channels).map(|_| Cell::new(0)).collect(),
             send: (0..channels).map(|_| SendRing::default()).collect(),
             recv: (0..channels).map(|_| RecvRing::new(slots)).collect(),
             failed: RefCell::new(None),
@@ -156,8 +170,16 @@ pub(crate) struct Parts {
     pub control: Mr,
     pub cq: Arc<Cq>,
     pub channel: Arc<Channel>,
+    pub pd: Arc<Pd>,
     pub device: String,
     pub bad_rkey: bool,
+}
+
+/// Caller memory registered for sends without a copy.
+struct Registered {
+    start: usize,
+    len: usize,
+    mr: Mr,
 }
 
 /// A rank's RDMA connections to its RDMA peers.
@@ -175,11 +197,15 @@ pub struct RdmaLink {
     inbound: Mr,
     staging: Mr,
     control: Mr,
+    registered: RefCell<Vec<Registered>>,
     cq: Arc<Cq>,
     channel: Arc<Channel>,
+    pd: Arc<Pd>,
     device: String,
     bad_rkey: bool,
     scratch: RefCell<Vec<Completion>>,
+    /// Messages posted from the staging ring and straight from registered memory (for the log).
+    posted: Cell<(u64, u64)>,
 }
 
 // SAFETY: the link is used by one thread at a time (`Link: Send`, not `Sync`); its cells are never
@@ -205,11 +231,14 @@ impl RdmaLink {
             inbound: p.inbound,
             staging: p.staging,
             control: p.control,
+            registered: RefCell::new(Vec::new()),
             cq: p.cq,
             channel: p.channel,
+            pd: p.pd,
             device: p.device,
             bad_rkey: p.bad_rkey,
             scratch: RefCell::new(Vec::with_capacity(32)),
+            posted: Cell::new((0, 0)),
         }
     }
 
@@ -266,7 +295,7 @@ impl RdmaLink {
     }
 
     fn complete(&self, c: &Completion) {
-        let (kind, pi, q) = wr_parts(c.wr_id);
+        let (kind, pi, q, ch) = wr_parts(c.wr_id);
         let Some(peer) = self.peers.get(pi) else {
             return;
         };
@@ -325,15 +354,20 @@ impl RdmaLink {
                     }
                 }
             }
-            KIND_DATA | KIND_CREDIT => {
+            KIND_DATA | KIND_CREDIT | KIND_DIRECT => {
                 if let Some(o) = peer.outstanding.get(q) {
                     o.set(o.get().saturating_sub(1));
                 }
+                if kind == KIND_DIRECT {
+                    if let Some(d) = peer.direct.get(ch) {
+                        d.set(d.get().saturating_sub(1));
+                    }
+                }
                 if let Some((status, vendor)) = c.error {
-                    let what = if kind == KIND_DATA {
-                        "a write"
-                    } else {
+                    let what = if kind == KIND_CREDIT {
                         "a credit"
+                    } else {
+                        "a write"
                     };
                     peer.fail(format!(
                         "{what} to rank {} completed with {status} (vendor error {vendor:#x})",
@@ -389,6 +423,137 @@ impl RdmaLink {
         }
     }
 
+    /// Writes a posted slot into the peer's ring: the header from the staging slot, the payload
+    /// from the staging slot or, with `direct` (address and local key), from the caller's memory.
+    fn write_slot(
+        &self,
+        slot: SendSlot,
+        len: usize,
+        tag: u32,
+        ctx: &WaitCtx<'_>,
+        direct: Option<(u64, u32)>,
+    ) -> Result<(), Error> {
+        let p = self.peer(slot.peer, slot.ch)?;
+        let s = &p.send[slot.ch];
+        check_token("rdma", self.id, slot.link, slot.msg, s.posted.get(), "post")?;
+        if len > self.slot_bytes {
+            return Err(misuse(
+                "rdma",
+                format!("a post of {len} bytes into a slot of {}", self.slot_bytes),
+            ));
+        }
+        self.failure(p, ctx)?;
+        let (ch, msg) = (slot.ch, slot.msg);
+        let index = (msg % self.slots as u32) as usize;
+        let off = self.offset(p.pi, ch, index);
+        let header = Header {
+            len: len as u32,
+            tag,
+            msg,
+        }
+        .encode();
+        // SAFETY: the slot's header bytes, ours to write until posted (as the payload after them).
+        unsafe {
+            std::ptr::copy_nonoverlapping(header.as_ptr(), self.staging.ptr().add(off), HEADER)
+        };
+        let remote_off = ((ch * self.slots + index) * self.stride) as u64;
+        let parts = stripes(HEADER + len, p.qps.len());
+        let rkey = if self.bad_rkey {
+            p.ring.1 ^ 0x00a5_5a00
+        } else {
+            p.ring.1
+        };
+        let imm = Imm::Data {
+            ch: ch as u8,
+            slot: index as u8,
+            parts: parts.len() as u8,
+            msg: msg as u8,
+        }
+        .encode();
+        let staged = |from: usize, n: usize| {
+            (
+                self.staging.addr() + (off + from) as u64,
+                n as u32,
+                self.staging.lkey(),
+            )
+        };
+        for (q, (at, n)) in parts.into_iter().enumerate() {
+            // The part's bytes of [header | payload], in one or two pieces.
+            let (local, pieces, kind) = match direct {
+                None => ([staged(at, n), (0, 0, 0)], 1, KIND_DATA),
+                Some((addr, lkey)) => {
+                    let end = at + n;
+                    let head = (at < HEADER).then(|| staged(at, end.min(HEADER) - at));
+                    let body = (end > HEADER).then(|| {
+                        let from = at.max(HEADER) - HEADER;
+                        (addr + from as u64, (end - HEADER - from) as u32, lkey)
+                    });
+                    match (head, body) {
+                        (Some(h), Some(b)) => ([h, b], 2, KIND_DIRECT),
+                        (Some(h), None) => ([h, (0, 0, 0)], 1, KIND_DIRECT),
+                        (None, Some(b)) => ([b, (0, 0, 0)], 1, KIND_DIRECT),
+                        (None, None) => ([(0, 0, 0); 2], 0, KIND_DIRECT),
+                    }
+                }
+            };
+            let w = Write {
+                wr_id: wr_id(kind, p.pi, q, ch),
+                local,
+                pieces,
+                remote: (p.ring.0 + remote_off + at as u64, rkey),
+                imm: Some(imm),
+                signaled: true,
+                inline: false,
+            };
+            if let Err(why) = self.post_write(p, q, &w) {
+                p.fail(format!("posting a write to rank {}: {why}", p.rank));
+                return self.failure(p, ctx);
+            }
+            if kind == KIND_DIRECT {
+                p.direct[ch].set(p.direct[ch].get() + 1);
+            }
+        }
+        s.posted.set(msg.wrapping_add(1));
+        let (staged, direct_n) = self.posted.get();
+        self.posted.set(if direct.is_some() {
+            (staged, direct_n + 1)
+        } else {
+            (staged + 1, direct_n)
+        });
+        Ok(())
+    }
+
+    /// The local key of the registration that holds `span` whole.
+    fn registered_key(&self, span: &Span) -> Option<u32> {
+        let (a, n) = (span.host_ptr()? as usize, span.len());
+        self.registered
+            .borrow()
+            .iter()
+            .find(|r| a >= r.start && a + n <= r.start + r.len)
+            .map(|r| r.mr.lkey())
+    }
+
+    /// Polls until no write reads the caller's memory, or `SETTLE` passes.
+    fn settle_all(&self) -> Result<(), Error> {
+        let until = Instant::now() + SETTLE;
+        loop {
+            self.progress()?;
+            let busy = self
+                .peers
+                .iter()
+                .any(|p| p.failed.borrow().is_none() && p.direct.iter().any(|d| d.get() > 0));
+            if !busy {
+                return Ok(());
+            }
+            if Instant::now() >= until {
+                return Err(Error::Internal(format!(
+                    "rdma: writes from a registered buffer did not complete within {SETTLE:?}"
+                )));
+            }
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+
     fn post_write(&self, peer: &PeerLink, q: usize, w: &Write) -> Result<(), String> {
         self.room(peer, q, Instant::now() + Duration::from_secs(10))?;
         peer.qps[q].post_write(w).map_err(|e| e.to_string())?;
@@ -439,63 +604,7 @@ impl Link for RdmaLink {
     }
 
     fn post(&self, slot: SendSlot, len: usize, tag: u32, ctx: &WaitCtx<'_>) -> Result<(), Error> {
-        let p = self.peer(slot.peer, slot.ch)?;
-        let s = &p.send[slot.ch];
-        check_token("rdma", self.id, slot.link, slot.msg, s.posted.get(), "post")?;
-        if len > self.slot_bytes {
-            return Err(misuse(
-                "rdma",
-                format!("a post of {len} bytes into a slot of {}", self.slot_bytes),
-            ));
-        }
-        self.failure(p, ctx)?;
-        let (ch, msg) = (slot.ch, slot.msg);
-        let index = (msg % self.slots as u32) as usize;
-        let off = self.offset(p.pi, ch, index);
-        let header = Header {
-            len: len as u32,
-            tag,
-            msg,
-        }
-        .encode();
-        // SAFETY: the slot's header bytes, ours to write until posted (as the payload after them).
-        unsafe {
-            std::ptr::copy_nonoverlapping(header.as_ptr(), self.staging.ptr().add(off), HEADER)
-        };
-        let remote_off = ((ch * self.slots + index) * self.stride) as u64;
-        let parts = stripes(HEADER + len, p.qps.len());
-        let rkey = if self.bad_rkey {
-            p.ring.1 ^ 0x00a5_5a00
-        } else {
-            p.ring.1
-        };
-        let imm = Imm::Data {
-            ch: ch as u8,
-            slot: index as u8,
-            parts: parts.len() as u8,
-            msg: msg as u8,
-        }
-        .encode();
-        for (q, (at, n)) in parts.into_iter().enumerate() {
-            let w = Write {
-                wr_id: wr_id(KIND_DATA, p.pi, q),
-                local: (
-                    self.staging.addr() + (off + at) as u64,
-                    n as u32,
-                    self.staging.lkey(),
-                ),
-                remote: (p.ring.0 + remote_off + at as u64, rkey),
-                imm: Some(imm),
-                signaled: true,
-                inline: false,
-            };
-            if let Err(why) = self.post_write(p, q, &w) {
-                p.fail(format!("posting a write to rank {}: {why}", p.rank));
-                return self.failure(p, ctx);
-            }
-        }
-        s.posted.set(msg.wrapping_add(1));
-        Ok(())
+        self.write_slot(slot, len, tag, ctx, None)
     }
 
     fn try_recv(
@@ -570,8 +679,12 @@ impl Link for RdmaLink {
         let q = slot.ch % p.qps.len();
         let inline = p.qps[q].max_inline() >= 4;
         let w = Write {
-            wr_id: wr_id(KIND_CREDIT, p.pi, q),
-            local: (word as *const AtomicU32 as u64, 4, self.control.lkey()),
+            wr_id: wr_id(KIND_CREDIT, p.pi, q, slot.ch),
+            local: [
+                (word as *const AtomicU32 as u64, 4, self.control.lkey()),
+                (0, 0, 0),
+            ],
+            pieces: 1,
             remote: (p.credit.0 + (slot.ch * 4) as u64, p.credit.1),
             imm: Some(Imm::Credit { ch: slot.ch as u8 }.encode()),
             signaled: true,
@@ -597,6 +710,7 @@ impl Link for RdmaLink {
                 || match event {
                     Event::Data => self.data_ready(p, ch),
                     Event::Credit => self.credit_ready(p, ch),
+                    Event::Sent => p.direct[ch].get() == 0,
                 }
         };
         self.progress()?;
@@ -662,6 +776,78 @@ impl Link for RdmaLink {
                 return Ok(());
             }
         }
+    }
+
+    fn register(&self, span: Span) -> Result<bool, Error> {
+        let Some(ptr) = span.host_ptr() else {
+            return Ok(false);
+        };
+        if span.is_empty() {
+            return Ok(false);
+        }
+        let (start, len) = (ptr as usize, span.len());
+        if let Some(r) = self
+            .registered
+            .borrow()
+            .iter()
+            .find(|r| start < r.start + r.len && r.start < start + len)
+        {
+            return Err(Error::invalid(format!(
+                "the buffer at {start:#x} ({len} bytes) overlaps one registered at {:#x} ({} bytes)",
+                r.start, r.len
+            )));
+        }
+        // SAFETY: `Link::register`'s contract: the memory stays mapped until it is deregistered.
+        let mr = unsafe { Mr::register(&self.pd, ptr, len)? };
+        self.registered
+            .borrow_mut()
+            .push(Registered { start, len, mr });
+        Ok(true)
+    }
+
+    fn deregister(&self, span: Span) -> Result<(), Error> {
+        let Some(ptr) = span.host_ptr() else {
+            return Ok(());
+        };
+        let (start, len) = (ptr as usize, span.len());
+        let found = self
+            .registered
+            .borrow()
+            .iter()
+            .position(|r| r.start == start && r.len == len);
+        let Some(i) = found else {
+            return Ok(());
+        };
+        // No write may still read the memory when the device forgets it.
+        self.settle_all()?;
+        drop(self.registered.borrow_mut().swap_remove(i));
+        Ok(())
+    }
+
+    fn post_from(
+        &self,
+        slot: SendSlot,
+        src: Span,
+        tag: u32,
+        ctx: &WaitCtx<'_>,
+    ) -> Result<Option<SendSlot>, Error> {
+        if src.len() > self.slot_bytes {
+            return Ok(Some(slot));
+        }
+        let Some(lkey) = self.registered_key(&src) else {
+            return Ok(Some(slot));
+        };
+        self.write_slot(slot, src.len(), tag, ctx, Some((src.addr() as u64, lkey)))?;
+        Ok(None)
+    }
+
+    fn unsettled(&self, ch: usize) -> Option<usize> {
+        // Completions that came in since the last poll may settle it.
+        let _ = self.progress();
+        self.peers
+            .iter()
+            .find(|p| p.failed.borrow().is_none() && p.direct.get(ch).is_some_and(|d| d.get() > 0))
+            .map(|p| p.rank)
     }
 
     fn abort_handle(&self) -> Arc<dyn AbortHandle> {
@@ -730,6 +916,13 @@ impl Drop for RdmaLink {
                 let _ = s.shutdown(Shutdown::Both);
             }
         }
-        debug!(rank = self.rank, device = self.device, "rdma link closed");
+        let (staged, direct) = self.posted.get();
+        debug!(
+            rank = self.rank,
+            device = self.device,
+            staged,
+            direct,
+            "rdma link closed: messages sent from the staging ring and from registered memory"
+        );
     }
 }

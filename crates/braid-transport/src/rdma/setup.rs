@@ -416,6 +416,7 @@ impl Prepared for RdmaPrepared {
             control,
             cq,
             channel: me.channel,
+            pd: me.pd.clone(),
             device: me.choice.device.clone(),
             bad_rkey: me.opts.bad_rkey_rank == Some(g.rank),
         });

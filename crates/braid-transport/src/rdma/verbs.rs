@@ -279,6 +279,8 @@ pub struct Mr {
     raw: *mut ffi::ibv_mr,
     mem: *mut u8,
     len: usize,
+    /// Whether `mem` was mapped here (and is unmapped with the registration).
+    owned: bool,
     _pd: Arc<Pd>,
 }
 
@@ -326,6 +328,31 @@ impl Mr {
             raw,
             mem: mem.cast(),
             len,
+            owned: true,
+            _pd: pd.clone(),
+        })
+    }
+
+    /// Registers `len` bytes of the caller's memory at `ptr` for local reads (sends from it).
+    ///
+    /// # Safety
+    /// The memory must stay mapped until the registration drops: the device reads the pages it pinned
+    /// now, whatever the address comes to hold later.
+    pub unsafe fn register(pd: &Arc<Pd>, ptr: *mut u8, len: usize) -> Result<Mr, Error> {
+        // SAFETY: the caller vouches for the memory; registering only pins and maps it for the device.
+        let raw = unsafe { ffi::ibv_reg_mr(pd.raw, ptr.cast(), len, 0) };
+        if raw.is_null() {
+            return Err(os_error(format!(
+                "registering {len} bytes of caller memory with {} (is the locked-memory limit, \
+                 ulimit -l, too low?)",
+                pd.ctx.name
+            )));
+        }
+        Ok(Mr {
+            raw,
+            mem: ptr,
+            len,
+            owned: false,
             _pd: pd.clone(),
         })
     }
@@ -365,10 +392,13 @@ impl Mr {
 
 impl Drop for Mr {
     fn drop(&mut self) {
-        // SAFETY: registered once and deregistered once, before the memory it covers is unmapped.
+        // SAFETY: registered once and deregistered once, before the memory it covers is unmapped
+        // (memory mapped here; the caller's stays the caller's).
         unsafe {
             ffi::ibv_dereg_mr(self.raw);
-            libc::munmap(self.mem.cast(), self.len);
+            if self.owned {
+                libc::munmap(self.mem.cast(), self.len);
+            }
         }
     }
 }
@@ -704,7 +734,8 @@ impl Qp<Init> {
         init.recv_cq = cq.raw;
         init.cap.max_send_wr = caps.send;
         init.cap.max_recv_wr = caps.recv;
-        init.cap.max_send_sge = 1;
+        // Two: a slot's header from the staging ring, its payload from the caller's memory.
+        init.cap.max_send_sge = 2;
         init.cap.max_recv_sge = 1;
         init.cap.max_inline_data = caps.inline;
         init.qp_type = ffi::ibv_qp_type::IBV_QPT_RC;
@@ -848,8 +879,10 @@ impl<S: Receives> Qp<S> {
 pub struct Write {
     /// The work request's id (its completion carries it).
     pub wr_id: u64,
-    /// Local bytes: address, length, local key.
-    pub local: (u64, u32, u32),
+    /// Local bytes: address, length, local key; gathered in order into one remote range.
+    pub local: [(u64, u32, u32); 2],
+    /// How many of `local` are used (0 to 2).
+    pub pieces: usize,
     /// Remote address and key.
     pub remote: (u64, u32),
     /// Immediate data (host order) for the receiver's completion, if any.
@@ -863,16 +896,14 @@ pub struct Write {
 impl Qp<Rts> {
     /// Posts one RDMA write (with immediate when `w.imm` is set).
     pub fn post_write(&self, w: &Write) -> Result<(), Error> {
-        let mut sge = ffi::ibv_sge {
-            addr: w.local.0,
-            length: w.local.1,
-            lkey: w.local.2,
-        };
+        let mut sge = w
+            .local
+            .map(|(addr, length, lkey)| ffi::ibv_sge { addr, length, lkey });
         // SAFETY: a plain C struct; all zeroes is a valid value.
         let mut wr: ffi::ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = w.wr_id;
-        wr.sg_list = &mut sge;
-        wr.num_sge = i32::from(w.local.1 > 0);
+        wr.sg_list = sge.as_mut_ptr();
+        wr.num_sge = w.pieces.min(2) as i32;
         wr.opcode = match w.imm {
             Some(imm) => {
                 wr.__bindgen_anon_1.imm_data = imm.to_be();

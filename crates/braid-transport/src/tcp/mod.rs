@@ -814,8 +814,9 @@ impl Link for TcpLink {
         until: Instant,
     ) -> Result<(), Error> {
         match event {
-            // A slot is free again as soon as the post that used it returns.
-            Event::Credit => {
+            // A slot is free again as soon as the post that used it returns, and the post has
+            // stopped reading the caller's memory by then.
+            Event::Credit | Event::Sent => {
                 self.out(peer, ch)?;
                 self.peer_error(peer, ctx)
             }

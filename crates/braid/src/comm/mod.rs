@@ -18,6 +18,9 @@ use crate::tune::{Algo, Collective};
 
 mod collectives;
 mod init;
+mod register;
+
+pub use register::Registration;
 
 /// A group of ranks that run collectives together.
 ///
