@@ -31,7 +31,8 @@
 # Environment: BRAID_GUEST_CACHE (default <repo>/target/rdma-guest), BRAID_GUEST_VERBOSE=1 (kernel
 # messages and each step of the guest's set-up, on stderr), BRAID_GUEST_ACCEL (tcg, the default, or
 # kvm), BRAID_GUEST_CPUS (2), BRAID_GUEST_MEMORY (MiB, 2048), BRAID_GUEST_KERNEL_DEB (a kernel .deb to
-# use instead of downloading linux-image-amd64's).
+# use instead of downloading linux-image-amd64's), BRAID_GUEST_APPEND (more words for the kernel's
+# command line).
 #
 # Exit status: COMMAND's; 124 if the timeout ran out (qemu is killed); 77 if the guest cannot run here
 # (a tool or the kernel package is missing: the message says which), 1 instead when BRAID_REQUIRE_TOOLS=1;
@@ -334,21 +335,27 @@ run() {
     [[ -v $name ]] && printf '%s=%s\0' "$name" "${!name}" >>"$io/env"
   done
 
-  local verbose=${BRAID_GUEST_VERBOSE:-0} cmdline
-  cmdline="console=ttyS1 panic=-1 rdinit=/init"
+  # The guest's console (the kernel's messages, the set-up's and any error) is ttyS1, this script's
+  # stderr, with BRAID_GUEST_VERBOSE=1; otherwise ttyS2, kept in a file that is shown if the guest
+  # fails, so that stderr carries only the command's.
+  local verbose=${BRAID_GUEST_VERBOSE:-0} cmdline console
+  cmdline="panic=-1 rdinit=/init ${BRAID_GUEST_APPEND:-}"
   if [[ $verbose == 1 ]]; then
-    cmdline+=" loglevel=7 braid.verbose=1"
+    cmdline+=" console=ttyS1 loglevel=7 braid.verbose=1"
+    console=(-chardev null,id=console)
   else
-    cmdline+=" quiet loglevel=3"
+    cmdline+=" console=ttyS2 quiet loglevel=4"
+    console=(-chardev "file,id=console,path=$(qemu_escape "$io/console.log")")
   fi
 
   local args=(
     -nodefaults -no-user-config -display none -no-reboot
     -machine pc -accel "$accel" -smp "${BRAID_GUEST_CPUS:-2}" -m "${BRAID_GUEST_MEMORY:-2048}"
     -kernel "$KERNEL" -initrd "$INITRAMFS" -append "$cmdline"
-    # ttyS0 carries the command's stdout, ttyS1 its stderr and the guest's console.
+    # ttyS0 carries the command's stdout, ttyS1 its stderr, ttyS2 the console when not verbose.
     -chardev "file,id=out,path=$(qemu_escape "$io/stdout.fifo")" -serial chardev:out
     -chardev "file,id=err,path=$(qemu_escape "$io/stderr.fifo")" -serial chardev:err
+    "${console[@]}" -serial chardev:console
     -fsdev "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap"
     -device virtio-9p-pci,fsdev=hostroot,mount_tag=hostroot
     -fsdev "local,id=braidio,path=$(qemu_escape "$io"),security_model=none"
@@ -399,8 +406,11 @@ run() {
     done
   done
   if [[ ! -s $io/status ]]; then
-    say "the guest ended (qemu status $qemu_status) without reporting the command's status$(
-      [[ $verbose == 1 ]] || echo '; BRAID_GUEST_VERBOSE=1 shows its console')"
+    if [[ -s $io/console.log ]]; then
+      say "the guest's console (its last 40 lines):"
+      tail -n 40 "$io/console.log" | tr -d '\r' >&2
+    fi
+    say "the guest ended (qemu status $qemu_status) without reporting the command's status"
     exit "$EXIT_GUEST_FAILED"
   fi
   [[ $verbose == 1 ]] && say "guest ran for $((SECONDS - start)) s"
@@ -427,7 +437,7 @@ guest() {
   echo braid-guest >/proc/sys/kernel/hostname
   # The serial ports pass bytes as they are (no \n to \r\n).
   stty -F /dev/ttyS0 raw -echo
-  stty -F /dev/ttyS1 -opost
+  stty -F /dev/ttyS1 raw -echo
 
   local i=0 dir
   local -a shares
