@@ -19,7 +19,10 @@ mount -t sysfs sysfs /sys
 
 verbose=0
 case " $(cat /proc/cmdline) " in *" braid.verbose=1 "*) verbose=1 ;; esac
-log() { [ "$verbose" = 1 ] && echo "guest init: $*"; return 0; }
+log() {
+  [ "$verbose" = 1 ] && echo "[$(cat /proc/uptime /newroot/proc/uptime 2>/dev/null | cut -d' ' -f1 | head -n 1)] guest init: $*"
+  return 0
+}
 fail() {
   echo "guest init: $*"
   echo o >/proc/sysrq-trigger
@@ -49,6 +52,13 @@ entry=$(cat /mnt/io/entry) || fail "the run's folder has no file 'entry'"
 for d in dev proc sys; do
   mount --move "/$d" "/newroot/$d"
 done
+mkdir -p /newroot/dev/pts /newroot/dev/shm
+mount -t devpts -o newinstance,ptmxmode=0666 devpts /newroot/dev/pts
+mount -t tmpfs -o mode=1777 shm /newroot/dev/shm
+echo braid-guest >/newroot/proc/sys/kernel/hostname
+# ttyS0 and ttyS1 carry the command's stdout and stderr: bytes as they are (no \n to \r\n).
+stty -F /newroot/dev/ttyS0 raw -echo
+stty -F /newroot/dev/ttyS1 raw -echo
 mkdir -p "/newroot$io"
 mount --move /mnt/io "/newroot$io"
 log "run folder at $io; handing over to $entry"
