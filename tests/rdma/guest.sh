@@ -189,7 +189,7 @@ fetch_kernel() {
 
 # Unpacks the ELF kernel (vmlinux) out of DIR/vmlinuz, where it is packed with xz as in Debian's:
 # QEMU boots it directly through its PVH entry point, which spares the guest decompressing itself
-# (under emulation that saves about 2.5 s a boot). Where it cannot, the guest boots vmlinuz.
+# (under emulation that saves 2.5-3 s a boot). Where it cannot, the guest boots vmlinuz.
 unpack_vmlinux() {
   local dir=$1 offset
   command -v xz >/dev/null 2>&1 || return 0
