@@ -72,9 +72,17 @@ cannot_run() {
   exit "$EXIT_CANNOT_RUN"
 }
 
-# Removed on exit: temporary folders, and processes this script started (each by its own pid).
+# Removed on exit: temporary folders, and processes this script started and has not yet seen end
+# (each stopped by its own pid).
 TEMP_DIRS=()
 PIDS=()
+forget_pid() {
+  local keep=() pid
+  for pid in "${PIDS[@]}"; do
+    [[ $pid == "$1" ]] || keep+=("$pid")
+  done
+  PIDS=("${keep[@]}")
+}
 cleanup() {
   local pid deadline
   for pid in "${PIDS[@]}"; do
@@ -403,10 +411,12 @@ run() {
   # The serial ports write into FIFOs; a cat copies each onto this script's stdout or stderr (so
   # the output shares their file offsets, whatever they are).
   mkfifo "$io/stdout.fifo" "$io/stderr.fifo"
+  local out_cat err_cat
   cat "$io/stdout.fifo" &
-  PIDS+=($!)
+  out_cat=$!
   cat "$io/stderr.fifo" >&2 &
-  PIDS+=($!)
+  err_cat=$!
+  PIDS+=("$out_cat" "$err_cat")
 
   local start=$SECONDS qemu
   qemu-system-x86_64 "${args[@]}" </dev/null &
@@ -421,12 +431,21 @@ run() {
   done
   local qemu_status=0
   wait "$qemu" || qemu_status=$?
-  # qemu has closed the FIFOs: the cats end once they have copied what is left.
+  forget_pid "$qemu"
+  # qemu has closed the FIFOs (or never opened them, if it failed early): opening each once more
+  # read-write, which does not block, and closing it lets its cat see the end once it has copied
+  # what is left.
+  : <>"$io/stdout.fifo"
+  : <>"$io/stderr.fifo"
   local pid deadline=$((SECONDS + 10))
-  for pid in "${PIDS[@]:0:2}"; do
+  for pid in "$out_cat" "$err_cat"; do
     while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do
       sleep 0.05
     done
+    if ! kill -0 "$pid" 2>/dev/null; then
+      wait "$pid" || true
+      forget_pid "$pid"
+    fi
   done
   if [[ ! -s $io/status ]]; then
     if [[ -s $io/console.log ]]; then
