@@ -189,7 +189,7 @@ fetch_kernel() {
   [[ -n $vmlinuz ]] || die "$key has no /boot/vmlinuz-*"
   basename "$vmlinuz" | sed 's/^vmlinuz-//' >"$tmp/release"
   mv "$vmlinuz" "$tmp/vmlinuz"
-  rm -rf "$tmp/boot"
+  rm -rf "${tmp:?}/boot"
   unpack_vmlinux "$tmp"
   touch "$tmp/complete"
   mv "$tmp" "$dir"
@@ -272,7 +272,7 @@ build_initramfs() {
     [[ -z $moddir || -d $moddir ]] && break
   done
   [[ -n $moddir ]] || die "the kernel package has no modules for $release"
-  base=${moddir%/lib/modules/$release}
+  base=${moddir%/lib/modules/"$release"}
   # The package ships no modules.dep: make it (kmod's depmod, or busybox's where kmod is missing).
   if command -v depmod >/dev/null 2>&1; then
     depmod -b "$base" "$release"
@@ -371,6 +371,7 @@ run() {
   # mitigations=off: the guest runs only the caller's command, and the CPU mitigations cost much
   # under emulation.
   cmdline="panic=-1 rdinit=/init mitigations=off ${BRAID_GUEST_APPEND:-}"
+  # shellcheck disable=SC2054 # the commas are QEMU's
   if [[ $verbose == 1 ]]; then
     cmdline+=" console=ttyS1 loglevel=7 braid.verbose=1"
     console=(-chardev null,id=console)
@@ -379,6 +380,7 @@ run() {
     console=(-chardev "file,id=console,path=$(qemu_escape "$io/console.log")")
   fi
 
+  # shellcheck disable=SC2054 # the commas are QEMU's
   local args=(
     -nodefaults -no-user-config -display none -no-reboot
     -machine pc -accel "$accel" -smp "${BRAID_GUEST_CPUS:-2}" -m "${BRAID_GUEST_MEMORY:-2048}"
@@ -506,7 +508,7 @@ guest() {
   (
     cd "$cwd"
     for e in "${envs[@]}"; do
-      export "$e"
+      export "${e?}"
     done
     exec "${argv[@]}"
   ) </dev/null >/dev/ttyS0 2>/dev/ttyS1 || status=$?
