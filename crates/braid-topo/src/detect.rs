@@ -24,8 +24,8 @@ pub const NVIDIA_VENDOR: u32 = 0x10de;
 /// - GPUs: `<root>/sys/bus/pci/devices/*` whose `vendor` is `0x10de` and whose `class` is a VGA or 3D
 ///   controller (`0x0300xx`, `0x0302xx`), with `numa_node`;
 /// - RDMA ports: `<root>/sys/class/infiniband/<device>/ports/<n>` with `state`, `link_layer`, `rate`,
-///   `gid_attrs/ndevs/0`, the first `gid_attrs/types/<i>` that reads `RoCE v2`, and the device's
-///   `device/numa_node`.
+///   `gid_attrs/ndevs/0`, the RoCE v2 GID (`gid_attrs/types/<i>`) whose `gids/<i>` is an IPv4 address,
+///   else the first RoCE v2 one, and the device's `device/numa_node`.
 pub fn detect_host(root: &Path) -> Host {
     Host {
         name: hostname(root),
@@ -128,11 +128,19 @@ fn rdma_ports(root: &Path) -> Vec<RdmaPort> {
             };
             // `state` reads `4: ACTIVE`.
             let active = read_trimmed(&p.join("state")).map(|s| s.ends_with("ACTIVE"));
-            // GID entries are few in use; the table may list hundreds of empty ones.
-            let roce_v2_gid_index = (0..256u32).find(|i| {
-                read_trimmed(&p.join(format!("gid_attrs/types/{i}")))
-                    .is_some_and(|t| t.eq_ignore_ascii_case("RoCE v2"))
-            });
+            // The RoCE v2 entry of an IPv4 address (`::ffff:a.b.c.d`) if there is one, as the RDMA
+            // transport picks it; else the first RoCE v2 entry (an IPv6 one, link-local included).
+            let v2: Vec<u32> = (0..256u32)
+                .filter(|i| {
+                    read_trimmed(&p.join(format!("gid_attrs/types/{i}")))
+                        .is_some_and(|t| t.eq_ignore_ascii_case("RoCE v2"))
+                })
+                .collect();
+            let ipv4 = |i: &u32| {
+                read_trimmed(&p.join(format!("gids/{i}")))
+                    .is_some_and(|g| g.starts_with("0000:0000:0000:0000:0000:ffff:"))
+            };
+            let roce_v2_gid_index = v2.iter().copied().find(ipv4).or(v2.first().copied());
             out.push(RdmaPort {
                 device: device.clone(),
                 port,

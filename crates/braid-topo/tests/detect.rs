@@ -156,8 +156,11 @@ fn rdma_ports_with_their_state_layer_and_roce_v2_gid() {
     dir.write(&format!("{p}/link_layer"), "Ethernet\n");
     dir.write(&format!("{p}/rate"), "10 Gb/sec (1X QDR)\n");
     dir.write(&format!("{p}/gid_attrs/ndevs/0"), "braid0\n");
+    // As rxe lists them: the link-local IPv6 GID first, then the IPv4 one.
     dir.write(&format!("{p}/gid_attrs/types/0"), "RoCE v2\n");
+    dir.write(&format!("{p}/gids/0"), "fe80:0000:0000:0000:5054:00ff:fe12:3456\n");
     dir.write(&format!("{p}/gid_attrs/types/1"), "RoCE v2\n");
+    dir.write(&format!("{p}/gids/1"), "0000:0000:0000:0000:0000:ffff:c612:6401\n");
     let q = "sys/class/infiniband/mlx5_0/ports/1";
     dir.write(&format!("{q}/state"), "1: DOWN\n");
     dir.write(&format!("{q}/link_layer"), "InfiniBand\n");
@@ -189,7 +192,7 @@ fn rdma_ports_with_their_state_layer_and_roce_v2_gid() {
                 rate: Some("10 Gb/sec (1X QDR)".into()),
                 netdev: Some("braid0".into()),
                 numa_node: None,
-                roce_v2_gid_index: Some(0),
+                roce_v2_gid_index: Some(1),
             },
         ]
     );
@@ -197,7 +200,7 @@ fn rdma_ports_with_their_state_layer_and_roce_v2_gid() {
     let text = t.describe();
     assert!(
         text.contains(
-            "rdma rxe0:1: active, Ethernet, 10 Gb/sec (1X QDR), over braid0, RoCE v2 GID 0"
+            "rdma rxe0:1: active, Ethernet, 10 Gb/sec (1X QDR), over braid0, RoCE v2 GID 1"
         ),
         "{text}"
     );
