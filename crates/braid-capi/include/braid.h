@@ -446,6 +446,35 @@ enum braid_result braid_comm_destroy(struct braid_comm *comm);
 enum braid_result braid_comm_abort(struct braid_comm *comm);
 
 /**
+ * Registers `bytes` bytes at `buf` with the communicator's transports (NCCL's `ncclCommRegister`):
+ * a collective that sends from inside the range (the send buffer of an out-of-place collective) lets
+ * an RDMA NIC read it directly instead of copying it into a transport slot. Writes to `*zero_copy`
+ * (when not NULL) 1 if a transport of this communicator sends from it without a copy, 0 if none does
+ * (shared memory and TCP copy anyway; the registration is still kept). A range that overlaps a
+ * registered one is `BRAID_INVALID_ARGUMENT`. Register buffers that are sent again and again:
+ * registering pins the memory and costs a system call.
+ *
+ * # Safety
+ * The range must stay mapped until `braid_comm_deregister` with the same `buf` and `bytes` (or
+ * `braid_comm_destroy`), and must not change while a collective that sends from it runs.
+ * `zero_copy` is NULL or valid for writing an `int`.
+ */
+enum braid_result braid_comm_register(struct braid_comm *comm,
+                                      const void *buf,
+                                      size_t bytes,
+                                      int *zero_copy);
+
+/**
+ * Ends the registration of exactly `bytes` bytes at `buf` made by `braid_comm_register`, once no
+ * write reads the range any more; the range may then be freed. A range that is not registered is
+ * ignored.
+ *
+ * # Safety
+ * None beyond passing a handle value: the range is only compared with registered ones.
+ */
+enum braid_result braid_comm_deregister(struct braid_comm *comm, const void *buf, size_t bytes);
+
+/**
  * Writes `BRAID_SUCCESS` to `*out` if the communicator is healthy, else the code of the first error that
  * made it unusable (whose text `braid_get_last_error_message` then returns).
  *

@@ -26,7 +26,7 @@ mod guard;
 mod registry;
 mod work;
 
-use std::ffi::{c_char, c_int, CStr};
+use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ptr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -430,6 +430,58 @@ pub unsafe extern "C" fn braid_comm_destroy(comm: *mut braid_comm) -> braid_resu
 pub unsafe extern "C" fn braid_comm_abort(comm: *mut braid_comm) -> braid_result {
     guard("braid_comm_abort", || {
         comm_of(comm)?.abort();
+        Ok(())
+    })
+}
+
+/// Registers `bytes` bytes at `buf` with the communicator's transports (NCCL's `ncclCommRegister`):
+/// a collective that sends from inside the range (the send buffer of an out-of-place collective) lets
+/// an RDMA NIC read it directly instead of copying it into a transport slot. Writes to `*zero_copy`
+/// (when not NULL) 1 if a transport of this communicator sends from it without a copy, 0 if none does
+/// (shared memory and TCP copy anyway; the registration is still kept). A range that overlaps a
+/// registered one is `BRAID_INVALID_ARGUMENT`. Register buffers that are sent again and again:
+/// registering pins the memory and costs a system call.
+///
+/// # Safety
+/// The range must stay mapped until `braid_comm_deregister` with the same `buf` and `bytes` (or
+/// `braid_comm_destroy`), and must not change while a collective that sends from it runs.
+/// `zero_copy` is NULL or valid for writing an `int`.
+#[no_mangle]
+pub unsafe extern "C" fn braid_comm_register(
+    comm: *mut braid_comm,
+    buf: *const c_void,
+    bytes: usize,
+    zero_copy: *mut c_int,
+) -> braid_result {
+    guard("braid_comm_register", || {
+        let c = comm_of(comm)?;
+        if buf.is_null() && bytes > 0 {
+            return Err(Error::invalid("braid_comm_register: buf is NULL"));
+        }
+        // SAFETY: the caller's contract above.
+        let used = unsafe { c.register_raw(buf.cast(), bytes)? };
+        if !zero_copy.is_null() {
+            // SAFETY: checked not NULL; the caller promises it is writable.
+            unsafe { write_out(zero_copy, c_int::from(used), "zero_copy")? };
+        }
+        Ok(())
+    })
+}
+
+/// Ends the registration of exactly `bytes` bytes at `buf` made by `braid_comm_register`, once no
+/// write reads the range any more; the range may then be freed. A range that is not registered is
+/// ignored.
+///
+/// # Safety
+/// None beyond passing a handle value: the range is only compared with registered ones.
+#[no_mangle]
+pub unsafe extern "C" fn braid_comm_deregister(
+    comm: *mut braid_comm,
+    buf: *const c_void,
+    bytes: usize,
+) -> braid_result {
+    guard("braid_comm_deregister", || {
+        comm_of(comm)?.deregister_raw(buf.cast(), bytes)?;
         Ok(())
     })
 }

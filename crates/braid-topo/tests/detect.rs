@@ -158,9 +158,15 @@ fn rdma_ports_with_their_state_layer_and_roce_v2_gid() {
     dir.write(&format!("{p}/gid_attrs/ndevs/0"), "braid0\n");
     // As rxe lists them: the link-local IPv6 GID first, then the IPv4 one.
     dir.write(&format!("{p}/gid_attrs/types/0"), "RoCE v2\n");
-    dir.write(&format!("{p}/gids/0"), "fe80:0000:0000:0000:5054:00ff:fe12:3456\n");
+    dir.write(
+        &format!("{p}/gids/0"),
+        "fe80:0000:0000:0000:5054:00ff:fe12:3456\n",
+    );
     dir.write(&format!("{p}/gid_attrs/types/1"), "RoCE v2\n");
-    dir.write(&format!("{p}/gids/1"), "0000:0000:0000:0000:0000:ffff:c612:6401\n");
+    dir.write(
+        &format!("{p}/gids/1"),
+        "0000:0000:0000:0000:0000:ffff:c612:6401\n",
+    );
     let q = "sys/class/infiniband/mlx5_0/ports/1";
     dir.write(&format!("{q}/state"), "1: DOWN\n");
     dir.write(&format!("{q}/link_layer"), "InfiniBand\n");

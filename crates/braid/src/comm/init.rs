@@ -294,6 +294,7 @@ impl Communicator {
             recorder,
             config,
             abort,
+            registered: Default::default(),
         };
         Ok(Communicator {
             inner: Arc::new(inner),

@@ -44,6 +44,8 @@ pub(crate) struct Inner {
     pub(crate) streams: Arc<Streams>,
     abort: Arc<AtomicBool>,
     recorder: crate::recorder::Recorder,
+    /// Registered buffers, as (address, length), whichever transport uses them.
+    registered: parking_lot::Mutex<Vec<(usize, usize)>>,
 }
 
 impl Communicator {

@@ -95,18 +95,41 @@ impl Communicator {
         if let Some(e) = self.inner.streams.sticky() {
             return Err(e);
         }
-        let sched = self.inner.streams.sched.lock();
-        match sched.exec.link() {
-            Some(link) if !span.is_empty() => link.register(span),
-            _ => Ok(false),
+        if span.is_empty() {
+            return Ok(false);
         }
+        let (start, len) = (span.addr(), span.len());
+        let mut registered = self.inner.registered.lock();
+        if let Some((s, l)) = registered
+            .iter()
+            .find(|(s, l)| start < s + l && *s < start + len)
+        {
+            return Err(Error::invalid(format!(
+                "rank {}: the buffer at {start:#x} ({len} bytes) overlaps one registered at {s:#x} \
+                 ({l} bytes)",
+                self.rank()
+            )));
+        }
+        let sched = self.inner.streams.sched.lock();
+        let used = match sched.exec.link() {
+            Some(link) => link.register(span)?,
+            None => false,
+        };
+        registered.push((start, len));
+        Ok(used)
     }
 
     fn deregister_span(&self, span: Span) -> Result<(), Error> {
+        let (start, len) = (span.addr(), span.len());
+        let mut registered = self.inner.registered.lock();
+        let Some(i) = registered.iter().position(|r| *r == (start, len)) else {
+            return Ok(());
+        };
         let sched = self.inner.streams.sched.lock();
-        match sched.exec.link() {
-            Some(link) if !span.is_empty() => link.deregister(span),
-            _ => Ok(()),
+        if let Some(link) = sched.exec.link() {
+            link.deregister(span)?;
         }
+        registered.swap_remove(i);
+        Ok(())
     }
 }
