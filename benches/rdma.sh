@@ -2,7 +2,8 @@
 # RDMA side by side, in one run of the Soft-RoCE guest (tests/rdma/guest.sh):
 #
 #   1. point to point at 4 MiB messages on rxe0: perftest's ib_write_bw against braid's two-rank
-#      broadcast over rdma (one 4 MiB slot per message, and the default 128 KiB slots);
+#      broadcast over rdma (one 4 MiB slot per message, from the staging ring and from a registered
+#      send buffer, and the default 128 KiB slots);
 #   2. all-reduce busbw on RANKS ranks over rdma against tcp, one sweep each;
 #   3. the same all-reduce under Open MPI over UCX (rc_verbs) and over the openib BTL, where they run.
 #
@@ -44,6 +45,9 @@ grep -A2 'BW average' "$out/bw.client"
 echo "== braid broadcast over rdma, 2 ranks, 4 MiB: one 4 MiB slot per message"
 BRAID_TRANSPORT=rdma BRAID_IB_HCA==rxe0 BRAID_CHUNK_BYTES=4194304 BRAID_SLOTS=4 \
   "$braid" perf --ranks 2 --collective broadcast -b 4M -e 4M -n "$iters" --json "$out/p2p-4m.json" 2>"$out/p2p-4m.err" | grep -v '^#  '
+echo "== braid broadcast over rdma, 2 ranks, 4 MiB: one 4 MiB slot per message, from a registered buffer"
+BRAID_TRANSPORT=rdma BRAID_IB_HCA==rxe0 BRAID_CHUNK_BYTES=4194304 BRAID_SLOTS=4 \
+  "$braid" perf --ranks 2 --collective broadcast -b 4M -e 4M -n "$iters" --register --json "$out/p2p-4m-reg.json" 2>"$out/p2p-4m-reg.err" | grep -v '^#  '
 echo "== braid broadcast over rdma, 2 ranks, 4 MiB: 128 KiB slots (the default)"
 BRAID_TRANSPORT=rdma BRAID_IB_HCA==rxe0 \
   "$braid" perf --ranks 2 --collective broadcast -b 4M -e 4M -n "$iters" --json "$out/p2p-128k.json" 2>"$out/p2p-128k.err" | grep -v '^#  '
@@ -96,7 +100,7 @@ perftest = float(m.group(1)) / 1000 if m else None  # MB/s -> GB/s (perftest's M
 print("\n== summary (emulated: ratios within this run, not absolute speed)")
 if perftest:
     print(f"ib_write_bw 4 MiB: {perftest:.3f} GB/s")
-    for name, label in (("p2p-4m.json", "4 MiB slots"), ("p2p-128k.json", "128 KiB slots")):
+    for name, label in (("p2p-4m.json", "4 MiB slots"), ("p2p-4m-reg.json", "4 MiB slots, registered send buffer"), ("p2p-128k.json", "128 KiB slots")):
         r = rows(name).get(4194304)
         if r and busbw(r):
             print(f"braid broadcast over rdma, {label}: {busbw(r):.3f} GB/s = {busbw(r) / perftest:.0%} of ib_write_bw")
