@@ -32,6 +32,16 @@ const FAIL_FAST_MS: u128 = 500;
 /// Elements of the all-reduces a fault interrupts (16 MiB of f32: many slots, many chunks per rank).
 const BIG: usize = 4 << 20;
 
+/// [`BIG`], or `FAULTS_BIG_ELEMS` where a slow machine (the emulated RDMA guest) needs shorter
+/// collectives to stay well inside the scenarios' bounds.
+fn big() -> usize {
+    std::env::var("FAULTS_BIG_ELEMS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n >= 1 << 16)
+        .unwrap_or(BIG)
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Rank side.
 
@@ -94,7 +104,7 @@ fn second_communicator() -> Result<String, String> {
     let start = Instant::now();
     let config = Config::from_env().map_err(|e| e.to_string())?;
     let c = Communicator::init(2, rank, &id, config).map_err(|e| format!("second init: {e}"))?;
-    let mut x: Vec<f32> = (0..BIG / 4).map(|i| (i % 5 + rank) as f32).collect();
+    let mut x: Vec<f32> = (0..big() / 4).map(|i| (i % 5 + rank) as f32).collect();
     c.all_reduce_in_place(&mut x, ReduceOp::Sum)
         .map_err(|e| format!("second all_reduce: {e}"))?;
     let bad = x
@@ -135,7 +145,7 @@ fn scenario_fault(c: &Communicator, fault: &str, victim: usize) -> i32 {
             }
         });
     }
-    let mut buf = vec![1.0f32; BIG];
+    let mut buf = vec![1.0f32; big()];
     let mut done = 0usize;
     let (first, call) = loop {
         let t = Instant::now();
@@ -211,7 +221,7 @@ fn scenario_fault(c: &Communicator, fault: &str, victim: usize) -> i32 {
 fn scenario_abort(c: &Communicator) -> i32 {
     let rank = c.rank();
     c.barrier().unwrap();
-    let mut buf = vec![1.0f32; BIG];
+    let mut buf = vec![1.0f32; big()];
     if rank == 0 {
         let (r, returned, aborted_at) = std::thread::scope(|s| {
             let h = s.spawn(|| {
@@ -282,7 +292,7 @@ fn scenario_destroy(c: Communicator, mode: &str) -> i32 {
     let rank = c.rank();
     c.barrier().unwrap();
     if rank == 1 {
-        let mut buf = vec![1.0f32; BIG];
+        let mut buf = vec![1.0f32; big()];
         for _ in 0..2 {
             buf.fill(1.0);
             c.all_reduce_in_place(&mut buf, ReduceOp::Sum).unwrap();
@@ -297,7 +307,7 @@ fn scenario_destroy(c: Communicator, mode: &str) -> i32 {
         return 1;
     }
     let works: Vec<_> = (0..4)
-        .map(|_| c.all_reduce_async(vec![1.0f32; BIG], ReduceOp::Sum))
+        .map(|_| c.all_reduce_async(vec![1.0f32; big()], ReduceOp::Sum))
         .collect();
     let t = Instant::now();
     drop(c);

@@ -898,15 +898,21 @@ impl AbortHandle for RdmaAbort {
 
 impl Drop for RdmaLink {
     fn drop(&mut self) {
-        // Let the last writes land before the queue pairs go: a peer may still wait for them.
+        // Let the last writes land before the queue pairs go: a peer may still wait for them. A
+        // peer whose connection closed waits for nothing.
         let until = Instant::now() + DRAIN;
-        while Instant::now() < until
-            && self
-                .peers
-                .iter()
-                .any(|p| p.failed.borrow().is_none() && p.outstanding.iter().any(|o| o.get() > 0))
-        {
-            if self.progress().is_err() {
+        loop {
+            let mut busy = false;
+            for p in &self.peers {
+                if p.failed.borrow().is_none() && p.outstanding.iter().any(|o| o.get() > 0) {
+                    if p.socket_closed() {
+                        p.fail("closed the connection".into());
+                    } else {
+                        busy = true;
+                    }
+                }
+            }
+            if !busy || Instant::now() >= until || self.progress().is_err() {
                 break;
             }
             std::thread::sleep(Duration::from_micros(50));
