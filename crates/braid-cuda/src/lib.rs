@@ -1,9 +1,11 @@
 //! braid-cuda: braid's CUDA side.
 //!
 //! So far it owns the reduce-copy kernels: their CUDA C sources (the top-level `kernels/` directory,
-//! embedded here so a later NVRTC loader needs no file at run time) and their catalogue, the names of
-//! the `extern "C"` entry points `kernels/reduce_copy.cu` defines for every [`Shape`], [`DType`] and
-//! [`ReduceOp`]. Device memory, streams, events and the device engine over `cudarc` come next.
+//! embedded here so no file is needed at run time), their catalogue, the names of the `extern "C"`
+//! entry points `kernels/reduce_copy.cu` defines for every [`Shape`], [`DType`] and [`ReduceOp`], and
+//! their compilation at run time: [`nvrtc`] (libnvrtc loaded with `dlopen`, so nothing of CUDA is
+//! needed to build or to run without a GPU), [`load_or_compile`] (a cache on disk), and
+//! [`driver_available`]. Device memory, streams, events and the device engine come next.
 //!
 //! ```
 //! use braid_core::{DType, ReduceOp};
@@ -12,7 +14,15 @@
 //! assert_eq!(kernel_name(Shape::ToAcc, DType::BF16, ReduceOp::Max).unwrap(), "braid_rc_to_acc_bf16");
 //! assert!(kernel_name(Shape::Ordered(5), DType::F32, ReduceOp::Sum).is_err());
 //! ```
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
+
+pub mod cache;
+pub mod driver;
+pub mod nvrtc;
+
+pub use cache::{cache_dir, load_or_compile, load_or_compile_in, CacheOutcome};
+pub use driver::driver_available;
+pub use nvrtc::{compile, BinaryKind, Compiled, Nvrtc};
 
 use braid_core::{DType, Error, ReduceOp};
 
