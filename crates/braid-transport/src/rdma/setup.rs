@@ -518,26 +518,7 @@ fn dial(
     deadline: Instant,
 ) -> Result<(Connect, TcpStream), Error> {
     let what = || format!("rank {rank} connecting to rank {p} (rdma) at {addr}");
-    let mut backoff = Duration::from_millis(1);
-    let mut s = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(Error::Bootstrap(format!("timed out {}", what())));
-        }
-        match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))) {
-            Ok(s) => break s,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    ErrorKind::ConnectionRefused | ErrorKind::TimedOut | ErrorKind::Interrupted
-                ) =>
-            {
-                std::thread::sleep(backoff.min(left));
-                backoff = (backoff * 2).min(Duration::from_millis(100));
-            }
-            Err(e) => return Err(Error::io(what(), e)),
-        }
-    };
+    let mut s = crate::tcp::connect_until(addr, deadline, what)?;
     let _ = s.set_nodelay(true);
     s.set_read_timeout(Some(SLICE))
         .map_err(|e| Error::io(what(), e))?;

@@ -215,26 +215,7 @@ fn dial(
     deadline: Instant,
 ) -> Result<TcpStream, Error> {
     let what = || format!("rank {} connecting to rank {p} at {addr}", opts.rank);
-    let mut backoff = Duration::from_millis(1);
-    let mut s = loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(Error::Bootstrap(format!("timed out {}", what())));
-        }
-        match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))) {
-            Ok(s) => break s,
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    ErrorKind::ConnectionRefused | ErrorKind::TimedOut | ErrorKind::Interrupted
-                ) =>
-            {
-                std::thread::sleep(backoff.min(left));
-                backoff = (backoff * 2).min(Duration::from_millis(100));
-            }
-            Err(e) => return Err(Error::io(what(), e)),
-        }
-    };
+    let mut s = connect_until(addr, deadline, what)?;
     s.set_nodelay(true).map_err(|e| Error::io(what(), e))?;
     let hello = Hello {
         secret: opts.secret,
@@ -252,6 +233,35 @@ fn dial(
     s.set_write_timeout(Some(SLICE))
         .map_err(|e| Error::io(what(), e))?;
     Ok(s)
+}
+
+/// Connects to `addr`, retrying (with backoff up to 100 ms) while the peer is not listening yet, until
+/// `deadline`; `what` names the attempt in errors.
+pub(crate) fn connect_until(
+    addr: SocketAddr,
+    deadline: Instant,
+    what: impl Fn() -> String,
+) -> Result<TcpStream, Error> {
+    let mut backoff = Duration::from_millis(1);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::Bootstrap(format!("timed out {}", what())));
+        }
+        match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))) {
+            Ok(s) => return Ok(s),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::ConnectionRefused | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) =>
+            {
+                std::thread::sleep(backoff.min(left));
+                backoff = (backoff * 2).min(Duration::from_millis(100));
+            }
+            Err(e) => return Err(Error::io(what(), e)),
+        }
+    }
 }
 
 /// Compares secrets in constant time (the bootstrap checks its connections with it too).
