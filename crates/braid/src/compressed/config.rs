@@ -11,7 +11,7 @@ use super::{AdamSafe, AdamSend, ClipScope, CompressionConfig, DensityWarmup};
 
 /// The options the grammar accepts, for error messages.
 const OPTIONS: &str =
-    "ef, noef, decay=X, clip=X, gclip=X, momentum=M, mask, warmup=STEPS[:START], \
+    "ef, noef, decay=X, clip=X, gclip=X, momentum=M, mask, warmup=STEPS[:START], flush=STEPS, \
                        adam=STEPS[:BETA1], adamsend=moment|gradient, switch=X, sparse=allgather|reducescatter|auto, seed=N, adaptive";
 
 /// Density a warm-up starts from when the text gives none (Deep Gradient Compression's 25%).
@@ -29,6 +29,7 @@ pub const DEFAULT_WARMUP_START: f32 = 0.25;
 /// | `momentum=M` | momentum correction with factor `M` in `[0, 1)`; the optimizer runs plain SGD |
 /// | `mask` | momentum correction with DGC's momentum factor masking |
 /// | `warmup=STEPS[:START]` | density warm-up from `START` (0.25) over `STEPS` steps |
+/// | `flush=STEPS` | every `STEPS`-th step is sent whole (dense), applying the held-back residual |
 /// | `adam=STEPS[:BETA1]` | Adam-safe compression after `STEPS` dense steps, β1 0.9 unless given |
 /// | `adamsend=moment\|gradient` | what Adam-safe compression compresses ([`AdamSend`]; default by codec) |
 /// | `switch=X` | top-k's dense switch, a number ≥ 0 |
@@ -134,6 +135,13 @@ impl FromStr for CompressionConfig {
                     c.warmup =
                         Some(DensityWarmup::new(start, steps).map_err(|e| bad(e.to_string()))?);
                 }
+                "flush" => {
+                    let (steps, extra) = steps_and("flush")?;
+                    if extra.is_some() {
+                        return Err(bad("flush takes one step count: flush=STEPS".into()));
+                    }
+                    c.flush = Some(steps);
+                }
                 "adam" => {
                     let (warmup_steps, beta1) = steps_and("adam")?;
                     let send = c.adam.map_or(AdamSend::Auto, |a| a.send);
@@ -221,6 +229,9 @@ impl fmt::Display for CompressionConfig {
         }
         if let Some(w) = self.warmup {
             write!(f, "/warmup={}:{}", w.steps, w.start)?;
+        }
+        if let Some(n) = self.flush {
+            write!(f, "/flush={n}")?;
         }
         if let Some(a) = self.adam {
             write!(f, "/adam={}:{}", a.warmup_steps, a.beta1)?;

@@ -96,6 +96,10 @@ pub struct CompressionConfig {
     /// Density warm-up (top-k, threshold top-k, random-k): the density falls exponentially from the
     /// warm-up's start to the codec's density over its first steps. `None`: the codec's density throughout.
     pub warmup: Option<DensityWarmup>,
+    /// Periodic flush (top-k, threshold top-k, random-k): every `flush`-th step is sent whole (density
+    /// 1, so the dense switch all-reduces it densely), which applies and clears the residual that error
+    /// feedback has held back, the parameters that lag included. `None`: never.
+    pub flush: Option<u64>,
     /// Adam-safe compression (after 1-bit Adam): dense steps first, then the compressor keeps Adam's first
     /// moment and all-reduces it compressed with error feedback instead of the gradient; the caller
     /// freezes its second moment. See [`AdamSafe`]. `None`: off.
@@ -133,6 +137,7 @@ impl Default for CompressionConfig {
             momentum: None,
             momentum_masking: false,
             warmup: None,
+            flush: None,
             adam: None,
             dense_switch: 0.5,
             sparse_path: SparsePath::AllGather,
@@ -278,6 +283,19 @@ impl CompressionConfig {
                 return Err(Error::invalid(format!(
                     "density warm-up needs a codec with a density (top-k, threshold top-k, random-k), not \
                      {codec}"
+                )));
+            }
+        }
+        if let Some(n) = self.flush {
+            if n < 2 {
+                return Err(Error::invalid(format!(
+                    "flush={n}: a flush every {n} step(s) is no compression (use 2 or more)"
+                )));
+            }
+            if codec.density().is_none() {
+                return Err(Error::invalid(format!(
+                    "a periodic flush needs a codec with a density (top-k, threshold top-k, random-k), \
+                     not {codec}"
                 )));
             }
         }
@@ -591,10 +609,14 @@ impl GradientCompressor {
         let Some(target) = self.config.codec.density() else {
             return Ok(None);
         };
-        let want = self
-            .config
-            .warmup
-            .map_or(target, |w| w.density(target, self.step));
+        let flush = self.config.flush.is_some_and(|n| (self.step + 1) % n == 0);
+        let want = if flush {
+            1.0
+        } else {
+            self.config
+                .warmup
+                .map_or(target, |w| w.density(target, self.step))
+        };
         if self.codec_density != Some(want) {
             self.codec = build_codec(self.config.codec.with_density(want), self.config.seed)?;
             self.codec_density = Some(want);

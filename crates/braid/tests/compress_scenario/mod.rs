@@ -735,6 +735,50 @@ pub fn modes(c: &Communicator) -> usize {
         assert_identical(c, &x, "warm-up");
         checks += 1;
     }
+    // Periodic flush: every third step is sent whole, exactly the dense sum of gradient and residual,
+    // and leaves no residual behind; the others are top-k at the target density.
+    let cfg: CompressionConfig = "topk:0.01/flush=3".parse().unwrap();
+    let mut st = GradientCompressor::new(cfg, LEN).unwrap();
+    for step in 0..7u64 {
+        let g = gradient(rank, step, LEN);
+        let carried: Vec<f32> = g.iter().zip(st.error()).map(|(a, e)| a + e).collect();
+        let mut x = g.clone();
+        let rep = c
+            .all_reduce_compressed(&mut x, ReduceOp::Sum, &mut st)
+            .unwrap();
+        if (step + 1) % 3 == 0 {
+            assert_eq!(rep.scheduled_density, Some(1.0), "step {step}");
+            // The whole carried gradient, summed (the dense path's order of addition may differ from
+            // rank order by an ulp).
+            let want = ordered_sum(&gather(c, &carried));
+            for (i, (a, b)) in x.iter().zip(&want).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                    "flush, step {step}: element {i} is {a}, expected {b}"
+                );
+            }
+            assert!(
+                st.error().iter().all(|e| *e == 0.0),
+                "step {step}: a residual after a flush"
+            );
+        } else {
+            assert_eq!(rep.scheduled_density, Some(0.01), "step {step}");
+            assert!(
+                st.error().iter().any(|e| *e != 0.0),
+                "step {step}: no residual at 1%"
+            );
+        }
+        assert_identical(c, &x, "flush");
+        checks += 1;
+    }
+    for bad in ["topk:0.01/flush=1", "int8/flush=10", "topk/flush=3:2"] {
+        assert!(
+            bad.parse::<CompressionConfig>()
+                .and_then(|c| GradientCompressor::new(c, LEN).map(|_| ()))
+                .is_err(),
+            "{bad}"
+        );
+    }
     assert_eq!(
         GradientCompressor::new("int8".parse().unwrap(), 4).map(|_| ()),
         Ok(())
