@@ -29,6 +29,7 @@ __all__ = [
     "UniqueId",
     "Work",
     "Compressor",
+    "Registration",
     "BraidError",
     "InvalidArgumentError",
     "BraidTimeoutError",
@@ -206,6 +207,8 @@ _SIGNATURES = {
     "braid_comm_init_from_env": [_pp],
     "braid_comm_destroy": [_p],
     "braid_comm_abort": [_p],
+    "braid_comm_register": [_p, _p, _sz, ctypes.POINTER(_i)],
+    "braid_comm_deregister": [_p, _p, _sz],
     "braid_comm_get_async_error": [_p, ctypes.POINTER(_i)],
     "braid_comm_count": [_p, ctypes.POINTER(_i)],
     "braid_comm_rank": [_p, ctypes.POINTER(_i)],
@@ -475,6 +478,37 @@ class Compressor:
             pass
 
 
+class Registration:
+    """A numpy array registered with a communicator's transports (:meth:`Communicator.register`).
+
+    Holds the array (so it stays allocated) until :meth:`close`, the end of a ``with`` block, or garbage
+    collection deregisters it. ``zero_copy`` says whether a transport sends from it without a copy
+    (RDMA does; shared memory and TCP copy anyway)."""
+
+    def __init__(self, comm, array, zero_copy):
+        self._comm, self._array, self.zero_copy = comm, array, zero_copy
+
+    def close(self):
+        """Deregisters (idempotent), once no send reads the array any more."""
+        if self._array is not None:
+            a, self._array = self._array, None
+            if self._comm._h:
+                _check(_lib.braid_comm_deregister(self._comm.handle, _ptr(a), a.nbytes))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 class Communicator:
     """A group of ranks running collectives together (``braid_comm``)."""
 
@@ -556,6 +590,17 @@ class Communicator:
         v = _i()
         _check(_lib.braid_comm_count(self.handle, ctypes.byref(v)))
         return v.value
+
+    def register(self, x):
+        """Registers the C-contiguous array ``x`` for sends without a copy (``braid_comm_register``):
+        a collective that sends from it out of place (``all_reduce(x, out=y)``, ...) lets an RDMA NIC
+        read it directly. Keep ``x`` unchanged while such a collective runs; rewrite it between them
+        freely. Returns a :class:`Registration` (a context manager). An array overlapping a registered
+        one raises :class:`InvalidArgumentError`."""
+        _array(x, "x")
+        zero_copy = _i()
+        _check(_lib.braid_comm_register(self.handle, _ptr(x), x.nbytes, ctypes.byref(zero_copy)))
+        return Registration(self, x, bool(zero_copy.value))
 
     # -- collectives -------------------------------------------------------------------------------
 

@@ -85,6 +85,25 @@ class Collectives(unittest.TestCase):
         self.comm.all_reduce(empty)
         self.assertEqual(empty.size, 0)
 
+    def test_registered_send_buffer(self):
+        n = 100003
+        x = np.empty(n, dtype=np.float32)
+        y = np.empty(n, dtype=np.float32)
+        with self.comm.register(x) as reg:
+            # Shared memory copies anyway; the registration is kept and says so.
+            self.assertFalse(reg.zero_copy)
+            with self.assertRaises(braid.InvalidArgumentError) as e:
+                self.comm.register(x[10:20])
+            self.assertIn("overlaps", str(e.exception))
+            # Rewritten between collectives while registered: each result is of the data sent now.
+            for op in ["sum", "max", "prod"]:
+                x[:] = inputs(self.rank, n, np.float32, op)
+                self.comm.all_reduce(x, op=op, out=y)
+                np.testing.assert_array_equal(y, expected(self.world, n, np.float32, op))
+        reg.close()  # idempotent
+        # Deregistered: the same range registers again.
+        self.comm.register(x).close()
+
     def test_reduce_scatter(self):
         n = 17
         for op in ("sum", "max"):
