@@ -423,7 +423,25 @@ def _layer_arrays(layers):
     return (ctypes.c_uint64 * len(dims))(*dims), (ctypes.c_size_t * len(ndims))(*ndims)
 
 
-class Compressor:
+class _Closes:
+    """What a handle that frees itself needs besides ``close()``: ``with`` closes it at the block's end,
+    garbage collection at the latest (an error then is swallowed: there is no one to tell)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Compressor(_Closes):
     """The compression state of one float32 tensor of ``length`` elements: the configuration as text, a
     codec and options (``"topk:0.1"``, ``"int8"``, ``"topk:0.01/momentum=0.9/warmup=200"``,
     ``"topk:0.1/adam=100"``, ``"powersgd:4"``, ``"none"``, ...; None: the ``BRAID_COMPRESS*`` environment or
@@ -464,21 +482,9 @@ class Compressor:
             h, self._h = self._h, None
             _check(_lib.braid_compressor_destroy(h))
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
-class Registration:
+class Registration(_Closes):
     """A numpy array registered with a communicator's transports (:meth:`Communicator.register`).
 
     Holds the array (so it stays allocated) until :meth:`close`, the end of a ``with`` block, or garbage
@@ -495,21 +501,9 @@ class Registration:
             if self._comm._h:
                 _check(_lib.braid_comm_deregister(self._comm.handle, _ptr(a), a.nbytes))
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
-class Communicator:
+class Communicator(_Closes):
     """A group of ranks running collectives together (``braid_comm``)."""
 
     def __init__(self, handle):
@@ -566,18 +560,6 @@ class Communicator:
         message = (_lib.braid_get_last_error_message() or b"").decode("utf-8", "replace")
         return _ERRORS.get(code.value, BraidError)(message, code.value)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     @property
     def rank(self):
