@@ -1,11 +1,17 @@
-//! The reduce-copy kernels' semantics, checked on the host: the very `__host__ __device__` body the
-//! `__global__` kernels run (kernels/braid_reduce_copy.cuh) is compiled by a C++ compiler with
-//! AddressSanitizer and UBSan, run thread by thread for every kernel of the catalogue, and compared bit
-//! for bit with braid-core's CPU reference: every dtype × op, odd lengths, heads that misalign the
-//! vector path, operands that share no alignment, operands not even element-aligned, in place.
+//! The reduce-copy kernels' semantics, checked on the host, against braid-core's CPU reference bit for
+//! bit: every kernel of the catalogue, every dtype × op, odd lengths, heads that misalign the vector
+//! path, operands that share no alignment, operands not even element-aligned, in place. Two builds of
+//! one driver (tests/host/driver.cpp) run them:
+//!
+//! - the `__host__ __device__` body the kernels share (kernels/braid_reduce_copy.cuh), compiled with
+//!   AddressSanitizer and UBSan and called thread by thread: every access inside its operands, no
+//!   undefined behaviour;
+//! - the real `__global__` entry points of kernels/reduce_copy.cu, launched on the SIMT runner
+//!   (tests/host/simt.hpp: one CPU thread per CUDA thread, several blocks at once) under
+//!   ThreadSanitizer: no two threads of a launch touch the same byte unsynchronised.
 //!
 //! What this does not show: the device-only code (`ld.global.v4`, the f16/bf16 `cvt` instructions) and
-//! concurrency between threads; those wait for the SIMT runner and a GPU.
+//! the GPU's weaker memory model; those wait for a GPU.
 
 mod support;
 
@@ -19,11 +25,25 @@ use braid_core::{DType, ReduceOp};
 use braid_cuda::{kernel_name, Shape};
 use support::{cxx, kernels_dir, scratch, unavailable};
 
-/// The host driver (tests/host/driver.cpp), built once for all the tests of this file (at -O0: its 460
-/// template instances take 25 s there and over a minute at -O1 on two cores).
-fn build_driver(_name: &str) -> Option<PathBuf> {
-    static DRIVER: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    match DRIVER.get_or_init(|| cxx().map(|cxx| compile_driver(&cxx))) {
+/// How the driver runs a kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Build {
+    /// The shared body, thread by thread, under AddressSanitizer and UBSan.
+    Body,
+    /// The `__global__` kernel on the SIMT runner, under ThreadSanitizer.
+    Simt,
+}
+
+/// The host driver of `build`, compiled once for all the tests of this file (at -O0: its 460 template
+/// instances take 25 s there and over a minute at -O1 on two cores).
+fn build_driver(build: Build) -> Option<PathBuf> {
+    static BODY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    static SIMT: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let cell = match build {
+        Build::Body => &BODY,
+        Build::Simt => &SIMT,
+    };
+    match cell.get_or_init(|| cxx().map(|cxx| compile_driver(&cxx, build))) {
         Ok(p) => Some(p.clone()),
         Err(why) => {
             unavailable(why);
@@ -32,33 +52,45 @@ fn build_driver(_name: &str) -> Option<PathBuf> {
     }
 }
 
-fn compile_driver(cxx: &str) -> PathBuf {
-    let dir = scratch("driver");
+fn compile_driver(cxx: &str, build: Build) -> PathBuf {
+    let dir = scratch(&format!("driver-{build:?}"));
     let exe = dir.join("driver");
-    let out = Command::new(cxx)
-        .args([
-            "-std=c++17",
-            "-O0",
-            "-Wall",
-            "-Wextra",
-            "-Werror",
-            "-Wno-unknown-pragmas",
-        ])
-        .args(["-fsanitize=address,undefined", "-fno-sanitize-recover=all"])
+    let host = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/host");
+    let mut cmd = Command::new(cxx);
+    cmd.args([
+        "-std=c++17",
+        "-O0",
+        "-g",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-Wno-unknown-pragmas",
+    ]);
+    match build {
+        Build::Body => cmd.args(["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]),
+        Build::Simt => cmd.args(["-DBRAID_SIMT", "-fsanitize=thread"]),
+    };
+    let out = cmd
         .arg("-I")
         .arg(kernels_dir())
-        .arg(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/host/driver.cpp"))
+        .arg("-I")
+        .arg(&host)
+        .arg(host.join("driver.cpp"))
         .arg("-o")
         .arg(&exe)
         .output()
         .expect("running the C++ compiler");
     assert!(
         out.status.success(),
-        "building the host driver failed:\n{}",
+        "building the {build:?} host driver failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     exe
 }
+
+/// A grid: blocks × threads per block.
+#[derive(Clone, Copy, Debug)]
+struct Grid(u32, u32);
 
 struct Driver {
     child: Child,
@@ -75,6 +107,8 @@ struct Operand {
 impl Driver {
     fn start(exe: &PathBuf) -> Driver {
         let mut child = Command::new(exe)
+            // The first race ends the run, so the failing kernel is the one named.
+            .env("TSAN_OPTIONS", "halt_on_error=1")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -88,12 +122,12 @@ impl Driver {
         }
     }
 
-    /// Runs kernel `name` over `threads` simulated threads; returns each destination's bytes.
+    /// Runs kernel `name` over `grid`; returns each destination's bytes.
     #[allow(clippy::too_many_arguments)]
     fn run(
         &mut self,
         name: &str,
-        threads: u32,
+        grid: Grid,
         count: usize,
         nranks: u32,
         srcs: &[Operand],
@@ -104,7 +138,8 @@ impl Driver {
         let mut put = |b: &[u8]| w.write_all(b).expect("writing to the host driver");
         put(&(name.len() as u32).to_le_bytes());
         put(name.as_bytes());
-        put(&threads.to_le_bytes());
+        put(&grid.0.to_le_bytes());
+        put(&grid.1.to_le_bytes());
         put(&(count as u64).to_le_bytes());
         put(&nranks.to_le_bytes());
         put(&(srcs.len() as u32).to_le_bytes());
@@ -329,7 +364,8 @@ fn check_kernel(d: &mut Driver, rng: &mut Rng, shape: Shape, dtype: DType, op: R
             if (ci + li) % 2 == 1 && count > group {
                 continue; // every layout meets short and long lengths; not every pair is needed
             }
-            let threads = [1u32, 3, 7, 32][(ci + li) % 4];
+            // One thread, one partial warp, several blocks of odd size, two full warps in two blocks.
+            let grid = [Grid(1, 1), Grid(1, 3), Grid(3, 7), Grid(2, 32)][(ci + li) % 4];
             let shift = 1 + rng.below(group as u64 - 1).min(group as u64);
             let nranks = match shape {
                 Shape::Ordered(n) => n,
@@ -357,7 +393,7 @@ fn check_kernel(d: &mut Driver, rng: &mut Rng, shape: Shape, dtype: DType, op: R
                 .collect();
             // combine_acc runs in place (acc is source 0 and destination 0), as the executor runs it.
             let alias = (shape == Shape::CombineAcc).then_some(0);
-            let got = d.run(&name, threads, count, nranks as u32, &ops, &dsts, alias);
+            let got = d.run(&name, grid, count, nranks as u32, &ops, &dsts, alias);
             let want = reference(shape, dtype, op, nranks, &srcs, count);
             for (j, g) in got.iter().enumerate() {
                 if *g != want {
@@ -366,7 +402,7 @@ fn check_kernel(d: &mut Driver, rng: &mut Rng, shape: Shape, dtype: DType, op: R
                         (0..count).find(|&e| g[e * es..(e + 1) * es] != want[e * es..(e + 1) * es]);
                     panic!(
                         "{name}: destination {j} differs from braid-core ({count} elements, {layout:?}, \
-                         {threads} threads, nranks {nranks}), first at element {first:?}: got {:02x?}, want {:02x?}",
+                         grid {grid:?}, nranks {nranks}), first at element {first:?}: got {:02x?}, want {:02x?}",
                         first.map(|e| &g[e * es..(e + 1) * es]),
                         first.map(|e| &want[e * es..(e + 1) * es])
                     );
@@ -378,9 +414,8 @@ fn check_kernel(d: &mut Driver, rng: &mut Rng, shape: Shape, dtype: DType, op: R
     cases
 }
 
-#[test]
-fn every_kernel_matches_braid_core_bit_for_bit() {
-    let Some(exe) = build_driver("semantics") else {
+fn every_kernel_matches_braid_core(build: Build) {
+    let Some(exe) = build_driver(build) else {
         return;
     };
     let mut d = Driver::start(&exe);
@@ -393,14 +428,24 @@ fn every_kernel_matches_braid_core_bit_for_bit() {
     }
     d.finish();
     assert_eq!(kernels, braid_cuda::catalogue().len());
-    println!("{kernels} kernels, {cases} cases, all bit-identical to braid-core");
+    println!("{build:?}: {kernels} kernels, {cases} cases, all bit-identical to braid-core");
+}
+
+#[test]
+fn every_kernel_body_matches_braid_core_bit_for_bit() {
+    every_kernel_matches_braid_core(Build::Body);
+}
+
+#[test]
+fn every_global_kernel_on_the_simt_runner_matches_braid_core_without_races() {
+    every_kernel_matches_braid_core(Build::Simt);
 }
 
 #[test]
 fn half_and_bfloat16_conversions_match_braid_core_exhaustively() {
     // Loading: every one of the 65536 bit patterns. Rounding: every f32 near a rounding boundary of
     // either format (halfway points, their neighbours, overflow and subnormal edges) plus random bits.
-    let Some(exe) = build_driver("conversions") else {
+    let Some(exe) = build_driver(Build::Body) else {
         return;
     };
     let mut d = Driver::start(&exe);
@@ -421,7 +466,7 @@ fn half_and_bfloat16_conversions_match_braid_core_exhaustively() {
         let name = kernel_name(Shape::ToAcc, dtype, ReduceOp::Sum).unwrap();
         let got = d.run(
             &name,
-            5,
+            Grid(1, 5),
             n,
             1,
             &[Operand {
@@ -444,7 +489,7 @@ fn half_and_bfloat16_conversions_match_braid_core_exhaustively() {
         let name = kernel_name(Shape::FinishAcc, dtype, ReduceOp::Sum).unwrap();
         let got = d.run(
             &name,
-            5,
+            Grid(1, 5),
             n,
             1,
             &[Operand {
@@ -471,7 +516,7 @@ fn half_and_bfloat16_conversions_match_braid_core_exhaustively() {
 #[test]
 fn integer_avg_and_wrapping_edges_match_braid_core() {
     // The edges random data rarely hits: MIN / 1, MIN / 2, MAX + 1, MIN * -1, -1 / n for large n.
-    let Some(exe) = build_driver("edges") else {
+    let Some(exe) = build_driver(Build::Body) else {
         return;
     };
     let mut d = Driver::start(&exe);
@@ -507,7 +552,15 @@ fn integer_avg_and_wrapping_edges_match_braid_core() {
                         bytes: b.clone(),
                     },
                 ];
-                let got = d.run(&name, 2, vals.len(), nranks, &srcs, &[(0, a.len())], None);
+                let got = d.run(
+                    &name,
+                    Grid(1, 2),
+                    vals.len(),
+                    nranks,
+                    &srcs,
+                    &[(0, a.len())],
+                    None,
+                );
                 let mut want = vec![0u8; a.len()];
                 reduce::finalize(dtype, op, nranks as usize, &mut want, &a, Src::Buf(&b));
                 assert_eq!(got[0], want, "{name} with nranks {nranks}");

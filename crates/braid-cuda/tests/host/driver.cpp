@@ -1,12 +1,14 @@
-// Runs the reduce-copy kernels' `__host__ __device__` body on the host, thread by thread, for the
-// tests in ../host.rs. Compiled by a plain C++ compiler (with sanitizers): braid_reduce.cuh needs no
-// CUDA header.
+// Runs the reduce-copy kernels on the host for the tests in ../host_semantics.rs, in one of two ways:
+// - by default, the `__host__ __device__` body the kernels share, called thread by thread (built with
+//   AddressSanitizer and UBSan): braid_reduce.cuh needs no CUDA header;
+// - with -DBRAID_SIMT, the real `__global__` entry points of reduce_copy.cu, launched on the SIMT runner
+//   (simt.hpp: one CPU thread per CUDA thread), built with ThreadSanitizer.
 //
 // Requests on stdin, replies on stdout, little-endian, until end of input:
-//   request: u32 name length, name, u32 threads, u64 count, u32 nranks, u32 sources, u32 destinations,
+//   request: u32 name length, name, u32 blocks, u32 threads per block, u64 count, u32 nranks, u32 sources, u32 destinations,
 //            u32 aliased source (the source that is destination 0, or 0xffffffff),
 //            per source: u32 misalignment, u64 length, bytes; per destination: u32 misalignment, u64 length
-//   reply:   u32 status (0 ok, 1 unknown kernel, 2 wrong operand count), per destination: u64 length, bytes
+//   reply:   u32 status (0 ok, 1 unknown kernel, 2 wrong operand count, 3 no threads), per destination: u64 length, bytes
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,19 +16,46 @@
 #include <string>
 #include <vector>
 
-#include "braid_reduce_copy.cuh"
+#ifdef BRAID_SIMT
+#include "simt.hpp"
+// The kernels exactly as NVRTC compiles them.
+#include "reduce_copy.cu"
 
-typedef void (*RunFn)(const braid::RcArgs&, unsigned long long, unsigned long long);
+typedef void (*Kernel)(braid::RcArgs);
 struct Entry {
   const char* name;
   int ns, nd;
-  RunFn run;
+  Kernel kernel;
 };
+
+static void run(const Entry& e, const braid::RcArgs& a, unsigned int blocks, unsigned int threads) {
+  simt::launch(dim3(blocks), dim3(threads), e.kernel, a);
+}
+
+#define E_OP(shape, dt, T, on, OP, NS, SACC, ND, DACC) \
+  {"braid_rc_" #shape "_" #dt "_" #on, NS, ND, &braid_rc_##shape##_##dt##_##on},
+#define E_FREE(shape, dt, T, NS, SACC, ND, DACC) {"braid_rc_" #shape "_" #dt, NS, ND, &braid_rc_##shape##_##dt},
+#else
+#include "braid_reduce_copy.cuh"
+
+typedef void (*Body)(const braid::RcArgs&, unsigned long long, unsigned long long);
+struct Entry {
+  const char* name;
+  int ns, nd;
+  Body body;
+};
+
+// The grid's threads one after another, each as the kernel wrapper calls the body.
+static void run(const Entry& e, const braid::RcArgs& a, unsigned int blocks, unsigned int threads) {
+  const unsigned long long n = (unsigned long long)blocks * threads;
+  for (unsigned long long t = 0; t < n; t++) e.body(a, t, n);
+}
 
 #define E_OP(shape, dt, T, on, OP, NS, SACC, ND, DACC) \
   {"braid_rc_" #shape "_" #dt "_" #on, NS, ND, &braid::ReduceCopy<T, OP, NS, SACC, ND, DACC>::run},
 #define E_FREE(shape, dt, T, NS, SACC, ND, DACC) \
   {"braid_rc_" #shape "_" #dt, NS, ND, &braid::ReduceCopy<T, 0, NS, SACC, ND, DACC>::run},
+#endif
 #define E_PER_OP(dt, T, on, OP) BRAID_RC_FOR_SHAPES(E_OP, dt, T, on, OP)
 #define E_PER_DTYPE(dt, T) BRAID_RC_FOR_OPS(E_PER_OP, dt, T) BRAID_RC_FOR_OP_FREE(E_FREE, dt, T)
 
@@ -52,7 +81,7 @@ int main() {
     unsigned int len = u32();
     std::string name(len, '\0');
     if (!rd(&name[0], len)) return 3;
-    unsigned int threads = u32();
+    unsigned int blocks = u32(), threads = u32();
     unsigned long long count = u64();
     unsigned int nranks = u32(), ns = u32(), nd = u32(), alias = u32();
     // Each operand is its own allocation of exactly misalignment + length bytes, so a sanitizer sees
@@ -85,9 +114,8 @@ int main() {
     const Entry* e = 0;
     for (size_t k = 0; k < sizeof ENTRIES / sizeof ENTRIES[0]; k++)
       if (name == ENTRIES[k].name) e = &ENTRIES[k];
-    unsigned int status = !e ? 1u : (e->ns != (int)ns || e->nd != (int)nd) ? 2u : 0u;
-    if (status == 0)
-      for (unsigned long long t = 0; t < threads; t++) e->run(a, t, threads);
+    unsigned int status = !e ? 1u : (e->ns != (int)ns || e->nd != (int)nd) ? 2u : blocks * threads == 0 ? 3u : 0u;
+    if (status == 0) run(*e, a, blocks, threads);
     w(&status, 4);
     if (status == 0)
       for (unsigned int j = 0; j < nd; j++) {
