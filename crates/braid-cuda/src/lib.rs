@@ -1,11 +1,17 @@
 //! braid-cuda: braid's CUDA side.
 //!
-//! So far it owns the reduce-copy kernels: their CUDA C sources (the top-level `kernels/` directory,
-//! embedded here so no file is needed at run time), their catalogue, the names of the `extern "C"`
-//! entry points `kernels/reduce_copy.cu` defines for every [`Shape`], [`DType`] and [`ReduceOp`], and
-//! their compilation at run time: [`nvrtc`] (libnvrtc loaded with `dlopen`, so nothing of CUDA is
-//! needed to build or to run without a GPU), [`load_or_compile`] (a cache on disk), and
-//! [`driver_available`]. Device memory, streams, events and the device engine come next.
+//! - The reduce-copy kernels: their CUDA C sources (the top-level `kernels/` directory, embedded here
+//!   so no file is needed at run time), their catalogue, and the names of the `extern "C"` entry points
+//!   `kernels/reduce_copy.cu` defines for every [`Shape`], [`DType`] and [`ReduceOp`].
+//! - Their compilation at run time: [`nvrtc`] (libnvrtc loaded with `dlopen`, so nothing of CUDA is
+//!   needed to build or to run without a GPU) and [`load_or_compile`] (a cache on disk).
+//! - [`driver`]: the CUDA driver API, also loaded at run time — [`Gpu`] (device choice and primary
+//!   context), [`DeviceBuffer`], [`PinnedBuffer`], [`HostRegistration`], [`pointer_kind`], [`Stream`]
+//!   (with [`Priority`]), [`Event`], [`Module`].
+//! - [`ReduceCopyKernels`]: the catalogue loaded on a device and launched by shape, dtype and op.
+//! - [`CudaEngine`]: braid-exec's `Engine` on a CUDA stream, for collectives on device memory.
+//!
+//! Without a driver or a GPU, everything that needs one returns an error that says so; nothing panics.
 //!
 //! ```
 //! use braid_core::{DType, ReduceOp};
@@ -18,10 +24,17 @@
 
 pub mod cache;
 pub mod driver;
+mod engine;
+mod launch;
 pub mod nvrtc;
 
 pub use cache::{cache_dir, load_or_compile, load_or_compile_in, CacheOutcome};
-pub use driver::driver_available;
+pub use driver::{
+    choose_device, driver_available, pointer_kind, DeviceBuffer, Event, Gpu, HostRegistration,
+    Module, PinnedBuffer, PointerKind, Priority, Stream,
+};
+pub use engine::CudaEngine;
+pub use launch::{blocks_for, RcArgs, ReduceCopyKernels, THREADS};
 pub use nvrtc::{compile, BinaryKind, Compiled, Nvrtc};
 
 use braid_core::{DType, Error, ReduceOp};

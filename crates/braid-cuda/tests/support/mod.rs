@@ -2,6 +2,8 @@
 //! compiler, and the `BRAID_REQUIRE_TOOLS=1` rule (a test that cannot run fails instead of passing).
 #![allow(dead_code)]
 
+pub mod cases;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -67,6 +69,23 @@ pub fn cuda_tool(name: &str) -> Result<PathBuf, String> {
          nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cuda-crt nvidia-nvvm nvidia-cuda-cuobjdump \
          nvidia-cuda-nvdisasm`)"
     ))
+}
+
+/// The directory holding CUDA's `cuda.h`: beside the `bin/` of the CUDA tools (the PyPI wheels, or a
+/// CUDA install), else `/usr/local/cuda/include`.
+pub fn cuda_include() -> Result<PathBuf, String> {
+    let mut dirs: Vec<PathBuf> = cuda_bin_dirs()
+        .into_iter()
+        .filter_map(|b| b.parent().map(|p| p.join("include")))
+        .collect();
+    dirs.push(PathBuf::from("/usr/local/cuda/include"));
+    dirs.into_iter()
+        .find(|d| d.join("cuda.h").is_file())
+        .ok_or_else(|| {
+            "cuda.h was not found (set BRAID_CUDA_BIN to a CUDA bin/ directory, or `python3 -m pip \
+             install nvidia-cuda-runtime nvidia-cuda-crt`)"
+                .to_string()
+        })
 }
 
 /// A C++ compiler: `CXX`, else `g++`.

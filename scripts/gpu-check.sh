@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Everything braid does on a GPU, in one run: the GPU tests of braid-cuda (devices, memory, pointer
+# kinds, streams and events, modules, every reduce-copy kernel against braid-core bit for bit, the
+# device engine against the CPU engine) with BRAID_REQUIRE_GPU=1, so that a missing GPU fails instead
+# of skipping; then every kernel shape timed against the device-to-device copy bandwidth measured in
+# the same run. Meant to finish within 6 minutes on one GPU.
+#
+#   scripts/gpu-check.sh              build here and run here (needs cargo and a GPU)
+#   scripts/gpu-check.sh bundle DIR   build the test binary, the bench and the sm_80/sm_90 kernel cache
+#                                     into DIR (needs cargo and libnvrtc, not a GPU)
+#   scripts/gpu-check.sh run DIR      run a bundle (needs a GPU, not cargo)
+#
+# Environment: BENCH_BYTES (default 268435456) and BENCH_ITERS (20) for the bench; BRAID_CUDA_DEVICE
+# picks the device.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+
+bundle() {
+    local dir=$1
+    mkdir -p "$dir/cache"
+    dir=$(cd "$dir" && pwd)
+    cd "$root"
+    # The test binary's path, from cargo's own report of what it built.
+    local tests
+    tests=$(cargo test --release -p braid-cuda --test gpu --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "gpu":
+        print(m["executable"])')
+    [ -n "$tests" ] || { echo "gpu-check: building the GPU tests failed" >&2; return 1; }
+    cargo build --release -q -p braid-cuda --example reduce_copy_bench
+    cp "$tests" "$dir/gpu-tests"
+    cp target/release/examples/reduce_copy_bench "$dir/reduce_copy_bench"
+    strip "$dir/gpu-tests" "$dir/reduce_copy_bench" 2>/dev/null || true
+    # The kernels compiled ahead, so the run does not wait for NVRTC (a cache of another NVRTC
+    # version is simply not used: the run then compiles once).
+    for arch in 80 90; do
+        BRAID_CUDA_CACHE="$dir/cache" "$dir/reduce_copy_bench" --compile-only "$arch"
+    done
+    echo "gpu-check: bundle in $dir ($(du -sh "$dir" | cut -f1))"
+}
+
+run_bundle() {
+    local dir
+    dir=$(cd "$1" && pwd)
+    export BRAID_CUDA_CACHE="$dir/cache" BRAID_REQUIRE_GPU=1
+    local start=$SECONDS failed=0
+    echo "== GPU tests"
+    "$dir/gpu-tests" --test-threads 1 --nocapture || failed=1
+    echo "== reduce-copy kernels against the device-to-device copy"
+    "$dir/reduce_copy_bench" --bytes "${BENCH_BYTES:-268435456}" --iters "${BENCH_ITERS:-20}" || failed=1
+    echo "gpu-check: $([ $failed = 0 ] && echo passed || echo FAILED) in $((SECONDS - start)) s"
+    return $failed
+}
+
+case "${1:-}" in
+bundle) bundle "${2:?usage: gpu-check.sh bundle DIR}" ;;
+run) run_bundle "${2:?usage: gpu-check.sh run DIR}" ;;
+"")
+    tmp=$(mktemp -d)
+    trap 'rm -rf "$tmp"' EXIT
+    bundle "$tmp"
+    run_bundle "$tmp"
+    ;;
+*)
+    echo "usage: gpu-check.sh [bundle DIR | run DIR]" >&2
+    exit 2
+    ;;
+esac
