@@ -460,3 +460,11 @@ fn momentum_correction_warm_up_global_clipping_and_adam_safe_compression() {
         assert!(checks.iter().all(|k| *k == 29), "{checks:?}");
     }
 }
+
+#[test]
+fn the_learning_rate_rescales_the_error_buffers() {
+    for n in [1, 2, 3] {
+        let checks = with_ranks(n, |c| scenario::learning_rate(&c));
+        assert!(checks.iter().all(|k| *k == 11), "{checks:?}");
+    }
+}

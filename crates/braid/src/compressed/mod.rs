@@ -474,6 +474,8 @@ pub struct GradientCompressor {
     warm_q: Option<Vec<f32>>,
     /// The density the codec was built for (warm-up rebuilds it when the schedule moves).
     codec_density: Option<f32>,
+    /// The last positive learning rate the caller gave ([`GradientCompressor::set_learning_rate`]).
+    learning_rate: Option<f32>,
     /// Adam-safe compression's first moment (empty before the first call).
     adam_m: Vec<f32>,
     last: Option<Stats>,
@@ -562,6 +564,7 @@ impl GradientCompressor {
             step: 0,
             codec,
             codec_density: config.codec.density(),
+            learning_rate: None,
             adam_m: Vec::new(),
             ef,
             staleness: Staleness::try_new(len).map_err(codec_error)?,
@@ -666,6 +669,60 @@ impl GradientCompressor {
             (None, Some(s)) => s.error(),
             (None, None) => &[],
         }
+    }
+
+    /// Tells the compressor the learning rate the caller's optimizer applies to the next result (call it
+    /// before every compressed all-reduce, or whenever the rate changes); fails, changing nothing, unless
+    /// `lr` is finite and ≥ 0.
+    ///
+    /// What error feedback holds back was computed under the rate of its own step, but is applied when it
+    /// is finally sent, under the rate of that step. With a decaying schedule that is a smaller rate, and
+    /// what is still held back when the schedule reaches zero is never applied. So when the rate moves
+    /// from `a` to `b`, every error buffer (the local one, the two-phase shard's, the sparse range's) is
+    /// scaled by `a / b`: the buffers then hold back updates rather than gradients, as in EF-SGD
+    /// (Karimireddy et al. 2019), and a held-back gradient moves the parameters as far as it would have at
+    /// its own step. Momentum correction's velocity is not scaled: dense momentum SGD also applies its
+    /// velocity at the current rate, so with nothing held back (density 1) the result is dense momentum
+    /// SGD's. A rate of 0 scales nothing (the next positive rate is compared with the last positive one).
+    /// Without calls, or with a constant rate, nothing is ever scaled.
+    ///
+    /// ```
+    /// use braid::{CompressionConfig, GradientCompressor};
+    /// let mut c = GradientCompressor::new(CompressionConfig::default(), 10).unwrap();
+    /// c.set_learning_rate(0.1).unwrap();
+    /// assert_eq!(c.learning_rate(), Some(0.1));
+    /// assert!(c.set_learning_rate(-1.0).is_err() && c.set_learning_rate(f32::NAN).is_err());
+    /// c.set_learning_rate(0.0).unwrap();
+    /// assert_eq!(c.learning_rate(), Some(0.1));
+    /// ```
+    pub fn set_learning_rate(&mut self, lr: f32) -> Result<(), Error> {
+        if !(lr >= 0.0 && lr.is_finite()) {
+            return Err(Error::invalid(format!(
+                "compression: the learning rate {lr} is not a finite number ≥ 0"
+            )));
+        }
+        if lr == 0.0 {
+            return Ok(());
+        }
+        if let Some(prev) = self.learning_rate.replace(lr) {
+            if prev != lr {
+                let f = prev / lr;
+                let scale = |b: &mut [f32]| b.iter_mut().for_each(|e| *e *= f);
+                scale(&mut self.ef.error);
+                if let Some(s) = &mut self.server {
+                    scale(&mut s.3.error);
+                }
+                if let Some(s) = &mut self.sparse {
+                    scale(s.error_mut());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The last positive learning rate given to [`set_learning_rate`](Self::set_learning_rate), if any.
+    pub fn learning_rate(&self) -> Option<f32> {
+        self.learning_rate
     }
 
     /// Clears the error buffers, staleness and codec state (PowerSGD's warm start), as after loading a

@@ -54,6 +54,11 @@ impl RangeState {
         &self.error
     }
 
+    /// The second error buffer of this rank's range, to scale it.
+    pub(super) fn error_mut(&mut self) -> &mut [f32] {
+        &mut self.error
+    }
+
     /// Buffers for a range of `len` elements.
     fn buffers(len: usize) -> Result<(Vec<f32>, Vec<f32>), Error> {
         Ok((

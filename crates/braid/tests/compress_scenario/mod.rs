@@ -1110,3 +1110,90 @@ pub fn sparse_reduce_scatter(c: &Communicator) -> usize {
     );
     checks + 1
 }
+
+/// The learning rate rescales the error buffers: against a reference whose error is scaled by the old
+/// over the new rate before each step (a rate of 0 skipped), the velocity left alone; then the second
+/// error buffers of the two-phase path and the sparse reduce-scatter, and nothing held back at density 1.
+pub fn learning_rate(c: &Communicator) -> usize {
+    let rank = c.rank();
+    let mut checks = 0;
+    let cfg: CompressionConfig = "topk:0.05/momentum=0.9/switch=inf".parse().unwrap();
+    let mut st = GradientCompressor::new(cfg, LEN).unwrap();
+    let mut reference = ErrorFeedback::new(LEN).with_momentum(0.9).unwrap();
+    let mut codec = TopK::new(0.05).unwrap();
+    // (rate, factor the reference's error is scaled by before the step)
+    let rates = [
+        (0.1f32, 1.0f32),
+        (0.05, 2.0),
+        (0.0, 1.0),
+        (0.025, 2.0),
+        (0.025, 1.0),
+        (0.1, 0.25),
+    ];
+    for (step, &(lr, factor)) in rates.iter().enumerate() {
+        let step = step as u64;
+        st.set_learning_rate(lr).unwrap();
+        reference.error.iter_mut().for_each(|e| *e *= factor);
+        same(st.error(), &reference.error, &format!("error, step {step}"));
+        let g = gradient(rank, step, LEN);
+        reference.step(&g, &mut codec, step).unwrap();
+        let mut x = g.clone();
+        c.all_reduce_compressed(&mut x, ReduceOp::Sum, &mut st)
+            .unwrap();
+        let want = ordered_sum(&gather(c, reference.last_update()));
+        same(&x, &want, &format!("learning rate {lr}, step {step}"));
+        same(
+            st.velocity(),
+            reference.velocity(),
+            &format!("velocity, step {step}"),
+        );
+        checks += 1;
+    }
+    assert_eq!(st.learning_rate(), Some(0.1));
+    assert!(st.error().iter().any(|e| *e != 0.0));
+    for bad in [-0.1, f32::NAN, f32::INFINITY] {
+        let before = st.error().to_vec();
+        assert!(st.set_learning_rate(bad).is_err(), "{bad}");
+        assert_eq!((st.learning_rate(), st.error()), (Some(0.1), &before[..]));
+    }
+
+    // The second error buffers scale with the first.
+    for text in ["int8", "topk:0.05/sparse=reducescatter/switch=inf"] {
+        let mut st = GradientCompressor::new(text.parse().unwrap(), LEN).unwrap();
+        st.set_learning_rate(0.2).unwrap();
+        let mut x = gradient(rank, 0, LEN);
+        c.all_reduce_compressed(&mut x, ReduceOp::Avg, &mut st)
+            .unwrap();
+        let (local, shard) = (st.error().to_vec(), st.shard_error().to_vec());
+        // One rank has no second phase.
+        assert!(
+            c.world_size() == 1 || shard.iter().any(|e| *e != 0.0),
+            "{text}: no second residual"
+        );
+        st.set_learning_rate(0.05).unwrap();
+        let four = |v: &[f32]| v.iter().map(|e| e * 4.0).collect::<Vec<f32>>();
+        same(st.error(), &four(&local), &format!("{text}: error"));
+        same(
+            st.shard_error(),
+            &four(&shard),
+            &format!("{text}: second error"),
+        );
+        checks += 1;
+    }
+
+    // At density 1 nothing is held back: the rate changes nothing, and momentum correction is dense
+    // momentum SGD's velocity.
+    let mut st = GradientCompressor::new("topk:1/momentum=0.9".parse().unwrap(), LEN).unwrap();
+    for (step, lr) in [0.1f32, 0.05, 0.01].into_iter().enumerate() {
+        st.set_learning_rate(lr).unwrap();
+        let mut x = gradient(rank, step as u64, LEN);
+        c.all_reduce_compressed(&mut x, ReduceOp::Sum, &mut st)
+            .unwrap();
+        assert!(
+            st.error().iter().all(|e| *e == 0.0),
+            "density 1, step {step}"
+        );
+        checks += 1;
+    }
+    checks
+}
