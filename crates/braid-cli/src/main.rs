@@ -211,6 +211,10 @@ enum Cmd {
         /// the encodings, sum in rank order) instead of the communicator's compressed all-reduce.
         #[arg(long)]
         gather: bool,
+        /// Do not tell the compressor the learning rate: its error buffers then hold gradients, and a
+        /// held-back gradient is applied at the (smaller) rate of the step that finally sends it.
+        #[arg(long)]
+        no_lr_rescale: bool,
     },
 }
 
@@ -232,6 +236,7 @@ fn main() {
             out,
             json,
             gather,
+            no_lr_rescale,
         } => {
             let args = (|| -> Result<eval::EvalArgs, String> {
                 let task: eval::Task = task.parse()?;
@@ -269,6 +274,7 @@ fn main() {
                     out,
                     json,
                     gather,
+                    lr_rescale: !no_lr_rescale,
                 })
             })();
             match args {

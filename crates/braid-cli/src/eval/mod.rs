@@ -59,6 +59,9 @@ pub struct EvalArgs {
     pub json: Option<String>,
     /// Synchronise through the local all-gather reference instead of the compressed all-reduce.
     pub gather: bool,
+    /// Tell the compressor each step's learning rate, so that its error buffers are rescaled when the
+    /// rate moves ([`braid::GradientCompressor::set_learning_rate`]).
+    pub lr_rescale: bool,
 }
 
 /// The settings evaluated when none are given.
@@ -387,7 +390,12 @@ fn train(
         data.gather(&idx, &mut xs, &mut ys);
         grad.fill(0.0);
         let loss = net.loss_and_grad(&params, &xs, &ys, scale, &mut grad, &mut ws);
-        optimizer.set_lr(lr * optim::cosine(step, args.steps));
+        let step_lr = lr * optim::cosine(step, args.steps);
+        optimizer.set_lr(step_lr);
+        if args.lr_rescale {
+            sync.set_learning_rate(step_lr)
+                .map_err(|e| format!("{setting}, {opt}, step {step}: {e}"))?;
+        }
         let info = sync
             .sync(comm, &mut grad, step)
             .map_err(|e| format!("{setting}, {opt}, step {step}: {e}"))?;

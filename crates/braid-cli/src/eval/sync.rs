@@ -41,6 +41,12 @@ pub trait GradSync {
     /// Replaces `grad` by the synchronised gradient; `step` keys the codecs' random streams.
     fn sync(&mut self, comm: &Communicator, grad: &mut [f32], step: u64)
         -> Result<SyncInfo, Error>;
+
+    /// The learning rate the optimizer applies to the next result (the compressed all-reduce scales its
+    /// error buffers by the change, [`GradientCompressor::set_learning_rate`]); ignored by default.
+    fn set_learning_rate(&mut self, _lr: f32) -> Result<(), Error> {
+        Ok(())
+    }
 }
 
 /// One row of the evaluation: a compression configuration in the runtime's text form
@@ -145,6 +151,10 @@ pub struct CompressedSync {
 }
 
 impl GradSync for CompressedSync {
+    fn set_learning_rate(&mut self, lr: f32) -> Result<(), Error> {
+        self.state.set_learning_rate(lr)
+    }
+
     fn sync(
         &mut self,
         comm: &Communicator,
@@ -227,6 +237,7 @@ pub fn make(
         ef,
         adaptive,
         sum: vec![0.0; len],
+        lr: None,
     }))
 }
 
@@ -261,9 +272,29 @@ pub struct GatherSync {
     ef: ErrorFeedback,
     adaptive: bool,
     sum: Vec<f32>,
+    /// The last positive learning rate, as [`GradientCompressor::set_learning_rate`] keeps it.
+    lr: Option<f32>,
 }
 
 impl GradSync for GatherSync {
+    /// Scales the error buffer by the old over the new rate, as the compressed all-reduce does.
+    fn set_learning_rate(&mut self, lr: f32) -> Result<(), Error> {
+        if !(lr >= 0.0 && lr.is_finite()) {
+            return Err(Error::invalid(format!(
+                "the learning rate {lr} is not a finite number ≥ 0"
+            )));
+        }
+        if lr > 0.0 {
+            if let Some(prev) = self.lr.replace(lr) {
+                let f = prev / lr;
+                if f != 1.0 {
+                    self.ef.error.iter_mut().for_each(|e| *e *= f);
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn sync(
         &mut self,
         comm: &Communicator,
