@@ -260,6 +260,7 @@ for _name, _args in {
                                        ctypes.POINTER(ctypes.c_size_t), _sz],
     "braid_compressor_destroy": [_p],
     "braid_compressor_reset": [_p],
+    "braid_compressor_set_learning_rate": [_p, ctypes.c_float],
     "braid_all_reduce_compressed": [_p, _sz, _i, _p, _p, ctypes.POINTER(_CompressStatsC)],
 }.items():
     _f = getattr(_lib, _name)
@@ -476,6 +477,14 @@ class Compressor(_Closes):
     def reset(self):
         """Clears the error buffers (as after loading a checkpoint); every rank resets at the same step."""
         _check(_lib.braid_compressor_reset(self.handle))
+
+    def set_learning_rate(self, lr):
+        """Tells the compressor the learning rate the optimizer applies to the next result (call it before
+        every compressed all-reduce under a changing schedule, e.g. with ``scheduler.get_last_lr()[0]``):
+        when the rate moves from ``a`` to ``b`` the error buffers are scaled by ``a / b``, so a held-back
+        gradient moves the parameters as far as it would have at its own step. 0 scales nothing; a
+        negative or non-finite rate raises :class:`InvalidArgumentError`. Every rank gives the same rates."""
+        _check(_lib.braid_compressor_set_learning_rate(self.handle, float(lr)))
 
     def close(self):
         if self._h:

@@ -181,6 +181,19 @@ class Collectives(unittest.TestCase):
                         want = np.mean([(i * 3 + (r + step) * 7) % 17 - 8 for r in range(self.world)], axis=0)
                         np.testing.assert_array_equal(g, want.astype(np.float32), err_msg=codec)
                 c.reset()
+        with braid.Compressor(n, "topk:0.1") as same, braid.Compressor(n, "topk:0.1") as halved:
+            for step in range(2):
+                same.set_learning_rate(0.1)
+                halved.set_learning_rate(0.1 if step == 0 else 0.05)
+                g = ((i * 3 + (self.rank + step) * 7) % 17 - 8).astype(np.float32)
+                h = g.copy()
+                self.comm.all_reduce_compressed(g, same, op="avg")
+                self.comm.all_reduce_compressed(h, halved, op="avg")
+                # A halved rate doubles what was held back, so only the second step differs.
+                self.assertEqual(bool(np.any(g != h)), step == 1, f"step {step}")
+            with self.assertRaises(braid.InvalidArgumentError) as e:
+                same.set_learning_rate(-1)
+            self.assertIn("learning rate", str(e.exception))
         with braid.Compressor(n, "topk:0.1/adam=1/noef") as c:
             outputs = []
             for step in range(3):

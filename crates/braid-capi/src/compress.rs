@@ -270,6 +270,31 @@ pub unsafe extern "C" fn braid_compressor_reset(compressor: *mut braid_compresso
     })
 }
 
+/// Tells a compressor the learning rate the caller's optimizer applies to the next result; call it before
+/// every `braid_all_reduce_compressed` under a schedule that changes the rate. When the rate moves from
+/// `a` to `b`, the error buffers are scaled by `a / b`, so a held-back gradient moves the parameters as
+/// far as it would have at its own step (momentum correction's velocity is not scaled). 0 scales nothing;
+/// a negative or non-finite `lr` is `BRAID_INVALID_ARGUMENT` and changes nothing. Every rank gives the
+/// same rates.
+///
+/// # Safety
+/// None beyond passing a handle value.
+#[no_mangle]
+pub unsafe extern "C" fn braid_compressor_set_learning_rate(
+    compressor: *mut braid_compressor,
+    lr: f32,
+) -> braid_result {
+    guard("braid_compressor_set_learning_rate", || {
+        let state = registry::get::<Mutex<GradientCompressor>>(
+            compressor as usize,
+            COMPRESSOR,
+            "compressor",
+        )?;
+        let mut state = state.lock().unwrap_or_else(|e| e.into_inner());
+        state.set_learning_rate(lr)
+    })
+}
+
 /// All-reduces the float gradient `grad` (`count` elements, in place) compressed as `compressor` says,
 /// with its error feedback; the result is bit-identical on every rank. `op` is `BRAID_SUM` or `BRAID_AVG`;
 /// `count` must be the compressor's `len`. `out_stats` (nullable) receives what the call did.

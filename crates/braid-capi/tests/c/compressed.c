@@ -98,6 +98,35 @@ int main(void) {
     CHECK(braid_compressor_destroy(c));
   }
 
+  /* The learning rate: the same rate twice changes nothing; a halved one doubles what was held back,
+     so the second step's result differs; bad rates are refused. */
+  {
+    braid_compressor *same, *halved;
+    float *h = malloc(LEN * sizeof(float));
+    CHECK(braid_compressor_create(&same, "topk:0.1", 1, LEN));
+    CHECK(braid_compressor_create(&halved, "topk:0.1", 1, LEN));
+    for (int step = 0; step < 2; step++) {
+      CHECK(braid_compressor_set_learning_rate(same, 0.1f));
+      CHECK(braid_compressor_set_learning_rate(halved, step == 0 ? 0.1f : 0.05f));
+      fill(g, g_rank + step);
+      fill(h, g_rank + step);
+      CHECK(braid_all_reduce_compressed(g, LEN, BRAID_AVG, same, comm, NULL));
+      CHECK(braid_all_reduce_compressed(h, LEN, BRAID_AVG, halved, comm, NULL));
+      int differ = memcmp(g, h, LEN * sizeof(float)) != 0;
+      EXPECT(differ == (step == 1), "step %d: results %s", step, differ ? "differ" : "equal");
+    }
+    EXPECT(braid_compressor_set_learning_rate(same, -1.0f) == BRAID_INVALID_ARGUMENT &&
+               strstr(braid_get_last_error_message(), "learning rate"),
+           "negative rate: %s", braid_get_last_error_message());
+    EXPECT(braid_compressor_set_learning_rate(same, NAN) == BRAID_INVALID_ARGUMENT, "NaN rate accepted");
+    CHECK(braid_compressor_set_learning_rate(same, 0.0f));
+    CHECK(braid_compressor_destroy(same));
+    CHECK(braid_compressor_destroy(halved));
+    EXPECT(braid_compressor_set_learning_rate(same, 0.1f) == BRAID_INVALID_ARGUMENT,
+           "a destroyed compressor took a rate");
+    free(h);
+  }
+
   /* Options in the codec text: momentum correction, a density warm-up, Adam-safe compression. */
   {
     braid_compressor *mc, *adam;
