@@ -10,6 +10,8 @@
 //!   (with [`Priority`]), [`Event`], [`Module`].
 //! - [`ReduceCopyKernels`]: the catalogue loaded on a device and launched by shape, dtype and op.
 //! - [`CudaEngine`]: braid-exec's `Engine` on a CUDA stream, for collectives on device memory.
+//! - [`CudaMemory`]: shareable device memory (`cuMemCreate`, POSIX file descriptors) for the rings of
+//!   braid-transport's `ipc` transport.
 //!
 //! Without a driver or a GPU, everything that needs one returns an error that says so; nothing panics.
 //!
@@ -25,6 +27,7 @@
 pub mod cache;
 pub mod driver;
 mod engine;
+mod ipc_memory;
 mod launch;
 pub mod nvrtc;
 
@@ -34,6 +37,7 @@ pub use driver::{
     Module, PinnedBuffer, PointerKind, Priority, Stream,
 };
 pub use engine::CudaEngine;
+pub use ipc_memory::CudaMemory;
 pub use launch::{blocks_for, RcArgs, ReduceCopyKernels, THREADS};
 pub use nvrtc::{compile, BinaryKind, Compiled, Nvrtc};
 

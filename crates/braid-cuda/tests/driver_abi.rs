@@ -9,14 +9,24 @@ mod support;
 use std::path::PathBuf;
 use std::process::Command;
 
-use braid_cuda::driver::api::{CONSTANTS, ENTRY_POINTS};
+use braid_cuda::driver::api::{CONSTANTS, ENTRY_POINTS, STRUCTS};
 use support::{cuda_include, cxx, kernels_dir, scratch, unavailable};
 
 /// The C types a Rust parameter type of the table may stand for.
 fn c_types(rust: &str) -> &'static [&'static str] {
     match rust.replace(' ', "").as_str() {
         "c_uint" => &["unsigned int"],
-        "c_int" => &["int", "CUdevice_attribute", "CUpointer_attribute"],
+        "c_int" => &[
+            "int",
+            "CUdevice_attribute",
+            "CUpointer_attribute",
+            "CUmemAllocationGranularity_flags",
+            "CUmemAllocationHandleType",
+        ],
+        "u64" => &["unsigned long long", "CUmemGenericAllocationHandle"],
+        "*mutu64" => &["CUmemGenericAllocationHandle*"],
+        "*constMemAllocationProp" => &["const CUmemAllocationProp*"],
+        "*constMemAccessDesc" => &["const CUmemAccessDesc*"],
         "CuResult" => &["CUresult"],
         "CuDevice" => &["CUdevice"],
         "CuDevicePtr" => &["CUdeviceptr"],
@@ -87,7 +97,7 @@ fn entry_points_and_constants_match_cuda_h() {
     };
     // The entry points are only type-checked (`-c`: there is no driver to link), the constants printed.
     let mut src = String::from(
-        "#include <cuda.h>\n#include <stdio.h>\n\nint main(void) {\n#ifndef CONSTANTS_ONLY\n",
+        "#include <cuda.h>\n#include <stddef.h>\n#include <stdio.h>\n\nint main(void) {\n#ifndef CONSTANTS_ONLY\n",
     );
     for (i, (names, c, _)) in ENTRY_POINTS.iter().enumerate() {
         let c = if c.trim() == "void" {
@@ -101,6 +111,16 @@ fn entry_points_and_constants_match_cuda_h() {
         ));
     }
     src.push_str("#endif\n");
+    for (name, _, fields) in STRUCTS {
+        src.push_str(&format!(
+            "  printf(\"sizeof {name} %zu\\n\", sizeof({name}));\n"
+        ));
+        for (field, _) in fields.iter() {
+            src.push_str(&format!(
+                "  printf(\"offsetof {name} {field} %zu\\n\", offsetof({name}, {field}));\n"
+            ));
+        }
+    }
     for (name, _) in CONSTANTS {
         src.push_str(&format!(
             "  printf(\"{name} %lld\\n\", (long long)({name}));\n"
@@ -137,6 +157,20 @@ fn entry_points_and_constants_match_cuda_h() {
     );
     let run = Command::new(&exe).output().unwrap();
     let text = String::from_utf8_lossy(&run.stdout);
+    for (name, size, fields) in STRUCTS {
+        let line = format!("sizeof {name} {size}");
+        assert!(
+            text.lines().any(|l| l == line),
+            "{name} is not {size} bytes in cuda.h:\n{text}"
+        );
+        for (field, offset) in fields.iter() {
+            let line = format!("offsetof {name} {field} {offset}");
+            assert!(
+                text.lines().any(|l| l == line),
+                "{name}.{field} is not at offset {offset} in cuda.h:\n{text}"
+            );
+        }
+    }
     for (name, value) in CONSTANTS {
         let line = format!("{name} {value}");
         assert!(

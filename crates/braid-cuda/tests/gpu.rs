@@ -529,3 +529,106 @@ fn the_device_engine_refuses_host_memory_and_gives_zeroed_scratch() {
     out.read(0, &mut back).unwrap();
     assert!(back.iter().all(|&b| b == 0));
 }
+
+/// Two ranks (threads) of an `ipc` transport on this GPU: shareable rings exported and imported by file
+/// descriptor over the transport's Unix sockets, a message written into the peer's device slot and read
+/// back from the receiver's.
+#[test]
+fn the_ipc_transport_moves_messages_through_device_rings() {
+    use braid_transport::setup::{Endpoint, Geometry, Peer, Prepared, SetupCtx, Transport};
+    use braid_transport::shm::ipc::{Ipc, NAME};
+    use braid_transport::{Event as LinkEvent, Link, WaitCtx, WaitPolicy};
+    use std::sync::atomic::AtomicBool;
+    let Some(gpu) = gpu() else { return };
+    let memory: Arc<dyn braid_transport::DeviceMemory> =
+        Arc::new(braid_cuda::CudaMemory::new(&gpu).unwrap());
+    let nonce = std::process::id() as u64 ^ 0x1bc0_0000;
+    let ctx = |rank| SetupCtx {
+        geometry: Geometry {
+            rank,
+            world: 2,
+            channels: 1,
+            slots: 2,
+            slot_bytes: 1 << 20,
+        },
+        secret: *b"gpu-ipc-secret!!",
+        nonce,
+        policy: WaitPolicy {
+            spin: Duration::from_micros(5),
+            yield_for: Duration::from_micros(20),
+        },
+        deadline: soon(),
+    };
+    let prepared: Vec<Box<dyn Prepared>> = (0..2)
+        .map(|r| {
+            Box::new(Ipc::new("/dev/shm", memory.clone()))
+                .prepare(&ctx(r))
+                .unwrap()
+        })
+        .collect();
+    let table: Vec<Peer> = prepared
+        .iter()
+        .map(|p| Peer {
+            pid: std::process::id(),
+            host: "here".into(),
+            endpoints: vec![Endpoint {
+                transport: NAME.into(),
+                blob: p.endpoint(),
+            }],
+        })
+        .collect();
+    let links: Vec<Box<dyn Link>> = std::thread::scope(|s| {
+        let hs: Vec<_> = prepared
+            .into_iter()
+            .enumerate()
+            .map(|(r, p)| {
+                let (table, ctx) = (&table, ctx(r));
+                s.spawn(move || {
+                    let peers: Vec<Option<&Peer>> =
+                        (0..2).map(|q| (q != r).then(|| &table[q])).collect();
+                    p.connect(&ctx, &peers).unwrap().activate().unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let abort = AtomicBool::new(false);
+    let now = Instant::now();
+    let wctx = WaitCtx {
+        rank: 0,
+        collective: "gpu ipc",
+        seq: 0,
+        deadline: soon(),
+        started: now,
+        abort: &abort,
+    };
+    let stream = Stream::new(&gpu, Priority::High).unwrap();
+    let msg: Vec<u8> = (0..(1 << 20)).map(|i: u32| (i % 251) as u8).collect();
+    let slot = links[0].try_reserve(1, 0, &wctx).unwrap().expect("credit");
+    assert_eq!(
+        slot.span().kind(),
+        braid_transport::MemKind::Device {
+            ordinal: gpu.ordinal()
+        }
+    );
+    // SAFETY: the slot is ours until posted; `msg` lives until the stream is synchronised.
+    unsafe { stream.copy(slot.span().addr() as u64, msg.as_ptr() as u64, msg.len()) }.unwrap();
+    stream.synchronize(soon()).unwrap();
+    links[0].post(slot, msg.len(), 9, &wctx).unwrap();
+    links[1].wait(0, 0, LinkEvent::Data, &wctx, soon()).unwrap();
+    let got = links[1].try_recv(0, 0, &wctx).unwrap().expect("a message");
+    assert_eq!((got.len(), got.tag()), (msg.len(), 9));
+    let mut back = vec![0u8; msg.len()];
+    // SAFETY: the slot is ours until released; `back` lives until the stream is synchronised.
+    unsafe {
+        stream.copy(
+            back.as_mut_ptr() as u64,
+            got.span().addr() as u64,
+            back.len(),
+        )
+    }
+    .unwrap();
+    stream.synchronize(soon()).unwrap();
+    assert_eq!(back, msg);
+    links[1].release(got).unwrap();
+}

@@ -8,7 +8,9 @@
 //!
 //! Each transport is one module implementing [`Link`] and the setup stages of [`setup`]:
 //!
-//! - [`shm`]: shared memory between processes of one host (futex words in a segment per rank);
+//! - [`shm`]: shared memory between processes of one host (futex words in a segment per rank); with a
+//!   [`DeviceMemory`], the same protocol with the slots' payload in device memory shared between the
+//!   processes by file descriptor (the `ipc` transport: CUDA IPC);
 //! - [`tcp`]: TCP between any two ranks (reader threads place parts straight into the receiver's slots);
 //! - `rdma` (cargo feature `rdma`): RDMA writes with immediate over reliable-connected queue pairs
 //!   (InfiniBand, RoCE), into slots the receiver registered;
@@ -33,6 +35,7 @@
 //! assert_eq!(got, (b"hello".to_vec(), 7));
 //! ```
 
+pub mod device;
 pub mod greet;
 mod link;
 pub mod mem;
@@ -45,6 +48,7 @@ pub mod shm;
 pub mod tcp;
 mod wait;
 
+pub use device::{DeviceAllocation, DeviceMemory, EmulatedDevice};
 pub use link::{recv_with, send_bytes, AbortHandle, Event, Link, LinkId, RecvSlot, SendSlot};
 pub use memory::{MemKind, Span};
 pub use registry::{check_world, transport_names, transports, TransportChoice};

@@ -76,6 +76,117 @@ pub const EVENT_DEFAULT: c_uint = 0;
 /// `CU_EVENT_DISABLE_TIMING`.
 pub const EVENT_DISABLE_TIMING: c_uint = 2;
 
+/// `CU_MEM_ALLOCATION_TYPE_PINNED`.
+pub const MEM_ALLOCATION_TYPE_PINNED: c_int = 1;
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`.
+pub const MEM_HANDLE_TYPE_POSIX_FD: c_int = 1;
+/// `CU_MEM_LOCATION_TYPE_DEVICE`.
+pub const MEM_LOCATION_TYPE_DEVICE: c_int = 1;
+/// `CU_MEM_ACCESS_FLAGS_PROT_READWRITE`.
+pub const MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
+/// `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`.
+pub const MEM_ALLOC_GRANULARITY_RECOMMENDED: c_int = 1;
+
+/// `CUmemLocation`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MemLocation {
+    /// `type` (`CU_MEM_LOCATION_TYPE_*`).
+    pub kind: c_int,
+    /// `id`: the device ordinal for device locations.
+    pub id: c_int,
+}
+
+/// `CUmemAllocationProp`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct MemAllocationProp {
+    /// `type` (`CU_MEM_ALLOCATION_TYPE_*`).
+    pub kind: c_int,
+    /// `requestedHandleTypes`.
+    pub requested_handle_types: c_int,
+    /// `location`.
+    pub location: MemLocation,
+    /// `win32HandleMetaData` (null here).
+    pub win32_handle_meta_data: *mut c_void,
+    /// `allocFlags.compressionType`.
+    pub compression_type: u8,
+    /// `allocFlags.gpuDirectRDMACapable`.
+    pub gpu_direct_rdma_capable: u8,
+    /// `allocFlags.usage`.
+    pub usage: u16,
+    /// `allocFlags.reserved`.
+    pub reserved: [u8; 4],
+}
+
+/// `CUmemAccessDesc`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MemAccessDesc {
+    /// `location`.
+    pub location: MemLocation,
+    /// `flags` (`CU_MEM_ACCESS_FLAGS_*`).
+    pub flags: c_int,
+}
+
+/// A struct's C layout: its C name, its size, and (C field, offset) for each field.
+pub type StructLayout = (&'static str, usize, &'static [(&'static str, usize)]);
+
+/// The C layout of every struct above, for `tests/driver_abi.rs`.
+pub const STRUCTS: &[StructLayout] = &[
+    (
+        "CUmemLocation",
+        std::mem::size_of::<MemLocation>(),
+        &[
+            ("type", std::mem::offset_of!(MemLocation, kind)),
+            ("id", std::mem::offset_of!(MemLocation, id)),
+        ],
+    ),
+    (
+        "CUmemAllocationProp",
+        std::mem::size_of::<MemAllocationProp>(),
+        &[
+            ("type", std::mem::offset_of!(MemAllocationProp, kind)),
+            (
+                "requestedHandleTypes",
+                std::mem::offset_of!(MemAllocationProp, requested_handle_types),
+            ),
+            (
+                "location",
+                std::mem::offset_of!(MemAllocationProp, location),
+            ),
+            (
+                "win32HandleMetaData",
+                std::mem::offset_of!(MemAllocationProp, win32_handle_meta_data),
+            ),
+            (
+                "allocFlags.compressionType",
+                std::mem::offset_of!(MemAllocationProp, compression_type),
+            ),
+            (
+                "allocFlags.gpuDirectRDMACapable",
+                std::mem::offset_of!(MemAllocationProp, gpu_direct_rdma_capable),
+            ),
+            (
+                "allocFlags.usage",
+                std::mem::offset_of!(MemAllocationProp, usage),
+            ),
+            (
+                "allocFlags.reserved",
+                std::mem::offset_of!(MemAllocationProp, reserved),
+            ),
+        ],
+    ),
+    (
+        "CUmemAccessDesc",
+        std::mem::size_of::<MemAccessDesc>(),
+        &[
+            ("location", std::mem::offset_of!(MemAccessDesc, location)),
+            ("flags", std::mem::offset_of!(MemAccessDesc, flags)),
+        ],
+    ),
+];
+
 /// Every constant above with its `cuda.h` name, for `tests/driver_abi.rs`.
 pub const CONSTANTS: &[(&str, i64)] = &[
     ("CUDA_SUCCESS", CUDA_SUCCESS as i64),
@@ -135,6 +246,26 @@ pub const CONSTANTS: &[(&str, i64)] = &[
     ("CU_STREAM_NON_BLOCKING", STREAM_NON_BLOCKING as i64),
     ("CU_EVENT_DEFAULT", EVENT_DEFAULT as i64),
     ("CU_EVENT_DISABLE_TIMING", EVENT_DISABLE_TIMING as i64),
+    (
+        "CU_MEM_ALLOCATION_TYPE_PINNED",
+        MEM_ALLOCATION_TYPE_PINNED as i64,
+    ),
+    (
+        "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR",
+        MEM_HANDLE_TYPE_POSIX_FD as i64,
+    ),
+    (
+        "CU_MEM_LOCATION_TYPE_DEVICE",
+        MEM_LOCATION_TYPE_DEVICE as i64,
+    ),
+    (
+        "CU_MEM_ACCESS_FLAGS_PROT_READWRITE",
+        MEM_ACCESS_FLAGS_PROT_READWRITE as i64,
+    ),
+    (
+        "CU_MEM_ALLOC_GRANULARITY_RECOMMENDED",
+        MEM_ALLOC_GRANULARITY_RECOMMENDED as i64,
+    ),
 ];
 
 macro_rules! driver_api {
@@ -244,6 +375,36 @@ driver_api! {
     /// `cuModuleGetFunction`.
     module_get_function = ["cuModuleGetFunction"] fn(*mut Handle, Handle, *const c_char)
         as "CUfunction*, CUmodule, const char*";
+    /// `cuMemGetAllocationGranularity`.
+    mem_get_allocation_granularity = ["cuMemGetAllocationGranularity"]
+        fn(*mut usize, *const MemAllocationProp, c_int)
+        as "size_t*, const CUmemAllocationProp*, CUmemAllocationGranularity_flags";
+    /// `cuMemCreate`.
+    mem_create = ["cuMemCreate"] fn(*mut u64, usize, *const MemAllocationProp, u64)
+        as "CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*, unsigned long long";
+    /// `cuMemRelease`.
+    mem_release = ["cuMemRelease"] fn(u64) as "CUmemGenericAllocationHandle";
+    /// `cuMemExportToShareableHandle`.
+    mem_export_to_shareable_handle = ["cuMemExportToShareableHandle"] fn(*mut c_void, u64, c_int, u64)
+        as "void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType, unsigned long long";
+    /// `cuMemImportFromShareableHandle`.
+    mem_import_from_shareable_handle = ["cuMemImportFromShareableHandle"] fn(*mut u64, *mut c_void, c_int)
+        as "CUmemGenericAllocationHandle*, void*, CUmemAllocationHandleType";
+    /// `cuMemAddressReserve`.
+    mem_address_reserve = ["cuMemAddressReserve"] fn(*mut CuDevicePtr, usize, usize, CuDevicePtr, u64)
+        as "CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long";
+    /// `cuMemAddressFree`.
+    mem_address_free = ["cuMemAddressFree"] fn(CuDevicePtr, usize) as "CUdeviceptr, size_t";
+    /// `cuMemMap`.
+    mem_map = ["cuMemMap"] fn(CuDevicePtr, usize, usize, u64, u64)
+        as "CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long";
+    /// `cuMemUnmap`.
+    mem_unmap = ["cuMemUnmap"] fn(CuDevicePtr, usize) as "CUdeviceptr, size_t";
+    /// `cuMemSetAccess`.
+    mem_set_access = ["cuMemSetAccess"] fn(CuDevicePtr, usize, *const MemAccessDesc, usize)
+        as "CUdeviceptr, size_t, const CUmemAccessDesc*, size_t";
+    /// `cuMemsetD8`.
+    memset_d8 = ["cuMemsetD8_v2"] fn(CuDevicePtr, u8, usize) as "CUdeviceptr, unsigned char, size_t";
     /// `cuLaunchKernel`.
     launch_kernel = ["cuLaunchKernel"] fn(Handle, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint,
         Handle, *mut *mut c_void, *mut *mut c_void)

@@ -11,6 +11,12 @@
 //!
 //! Everything read from a segment that another process writes (header fields, slot lengths, tags) is
 //! validated before it is used.
+//!
+//! With a [`DeviceMemory`](crate::DeviceMemory), the `ipc` transport ([`ipc`]) runs the same protocol
+//! with each slot's payload in device memory: the segment keeps the sequence words, lengths, tags and
+//! credits, and every rank's inbound payload rings are one device allocation its peers map from a file
+//! descriptor. Slots are then device spans, written and read only by a device engine; the executor posts
+//! a slot after the kernel that filled it has finished and releases one after the kernel that read it.
 
 use std::cell::Cell;
 use std::fs::OpenOptions;
@@ -23,6 +29,7 @@ use std::time::Instant;
 use braid_core::Error;
 use memmap2::MmapRaw;
 
+use crate::device::DeviceAllocation;
 use crate::link::{check_token, misuse, AbortHandle, Event, Link, LinkId, RecvSlot, SendSlot};
 use crate::memory::Span;
 use crate::setup::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
@@ -48,6 +55,8 @@ const H_PID: usize = 20;
 const H_SLOTS: usize = 24;
 const H_SLOT_BYTES: usize = 28;
 const H_CHANNELS: usize = 32;
+/// 1 when the payload lives in device memory (the `ipc` transport), 0 when in the segment.
+const H_DEVICE: usize = 36;
 const H_FAILED: usize = 64;
 /// Whom this rank is blocked waiting for (rank + 1; 0 when not blocked), so that a timing-out peer can
 /// follow the chain of waits to the rank that is actually silent.
@@ -76,11 +85,33 @@ pub struct Layout {
     pub slots: usize,
     /// Payload bytes per slot.
     pub slot_bytes: usize,
+    /// Whether payloads live in device memory (the segment then holds the slots' headers only).
+    pub device: bool,
 }
+
+/// Device slots start at multiples of this, so kernels' vector accesses line up.
+const DEVICE_SLOT_ALIGN: usize = 256;
 
 impl Layout {
     fn slot_stride(&self) -> usize {
-        (SLOT_HDR + self.slot_bytes).next_multiple_of(CACHE_LINE)
+        if self.device {
+            CACHE_LINE
+        } else {
+            (SLOT_HDR + self.slot_bytes).next_multiple_of(CACHE_LINE)
+        }
+    }
+    fn device_slot_stride(&self) -> usize {
+        self.slot_bytes.next_multiple_of(DEVICE_SLOT_ALIGN)
+    }
+    /// Offset of slot `index` of ring `ch` from `from` in the owner's device payload allocation.
+    fn device_slot(&self, from: usize, ch: usize, index: usize) -> usize {
+        ((from * self.channels + ch) * self.slots + index) * self.device_slot_stride()
+    }
+    /// Bytes of one rank's device payload allocation, rounded up to `granularity` (a power of two).
+    pub fn device_bytes(&self, granularity: usize) -> usize {
+        (self.world * self.channels * self.slots * self.device_slot_stride())
+            .max(1)
+            .next_multiple_of(granularity.max(1))
     }
     fn channel_stride(&self) -> usize {
         CTRL + self.slots * self.slot_stride()
@@ -110,6 +141,7 @@ pub fn max_world(channels: usize, slots: usize, slot_bytes: usize) -> usize {
         channels,
         slots,
         slot_bytes,
+        device: false,
     };
     let per_peer = channels.saturating_mul(probe.channel_stride()).max(1);
     ((MAX_SEGMENT_BYTES - HEADER) / per_peer).max(1)
@@ -172,6 +204,8 @@ impl Segment {
             .store(layout.slot_bytes as u32, Ordering::Relaxed);
         seg.word(H_CHANNELS)
             .store(layout.channels as u32, Ordering::Relaxed);
+        seg.word(H_DEVICE)
+            .store(u32::from(layout.device), Ordering::Relaxed);
         seg.word64(H_MAGIC).store(MAGIC, Ordering::Release);
         Ok(seg)
     }
@@ -236,6 +270,11 @@ impl Segment {
                 "channels",
                 seg.word(H_CHANNELS).load(Ordering::Relaxed) as usize,
                 layout.channels,
+            ),
+            (
+                "device payload",
+                seg.word(H_DEVICE).load(Ordering::Relaxed) as usize,
+                usize::from(layout.device),
             ),
         ];
         if magic != MAGIC {
@@ -401,9 +440,21 @@ struct Ring {
     released: Cell<u32>,
 }
 
+/// Where the payloads of an `ipc` link live: this rank's inbound rings and its peers', mapped.
+pub struct DevicePlane {
+    /// The device of every allocation here.
+    pub ordinal: u32,
+    /// This rank's inbound payload rings.
+    pub own: Box<dyn DeviceAllocation>,
+    /// Each peer's inbound payload rings, mapped here (`None` for this rank and peers reached otherwise).
+    pub peers: Vec<Option<Box<dyn DeviceAllocation>>>,
+}
+
 /// The shared-memory link of one rank: its own inbound segment and its peers', plus the local counters.
 pub struct ShmLink {
     id: LinkId,
+    /// Device payloads (the `ipc` transport), or `None` for payloads in the segments.
+    plane: Option<DevicePlane>,
     maps: Arc<Mappings>,
     layout: Layout,
     policy: WaitPolicy,
@@ -418,6 +469,26 @@ impl ShmLink {
     /// Builds the link from this rank's own segment and the mapped segments of its peers (`peers[rank]`
     /// must be `None`; so is every peer reached otherwise).
     pub fn new(own: Segment, peers: Vec<Option<Segment>>, policy: WaitPolicy) -> ShmLink {
+        ShmLink::build(own, peers, policy, None)
+    }
+
+    /// As [`ShmLink::new`], with the payloads in device memory (segments made with `layout.device`;
+    /// `plane.peers[p]` mapped for every peer `peers[p]` is for).
+    pub fn with_device(
+        own: Segment,
+        peers: Vec<Option<Segment>>,
+        policy: WaitPolicy,
+        plane: DevicePlane,
+    ) -> ShmLink {
+        ShmLink::build(own, peers, policy, Some(plane))
+    }
+
+    fn build(
+        own: Segment,
+        peers: Vec<Option<Segment>>,
+        policy: WaitPolicy,
+        plane: Option<DevicePlane>,
+    ) -> ShmLink {
         let layout = own.layout;
         let rank = own.owner;
         debug_assert_eq!(peers.len(), layout.world);
@@ -428,6 +499,7 @@ impl ShmLink {
             .collect();
         ShmLink {
             id: LinkId::new(),
+            plane,
             procs,
             maps: Arc::new(Mappings { rank, own, peers }),
             layout,
@@ -558,9 +630,38 @@ impl ShmLink {
     }
 }
 
+impl ShmLink {
+    /// The device span of `len` bytes at `offset` of `alloc`.
+    ///
+    /// # Safety
+    /// The caller owns that range of the allocation under the slot protocol while the span is used.
+    unsafe fn device_span(
+        &self,
+        alloc: Option<&dyn DeviceAllocation>,
+        ordinal: u32,
+        offset: usize,
+        len: usize,
+    ) -> Result<Span, Error> {
+        match alloc {
+            Some(a) if offset + len <= a.len() => {
+                // SAFETY: in bounds of the mapped allocation; the caller's contract for its use.
+                Ok(unsafe { Span::device(a.addr() + offset as u64, len, ordinal) })
+            }
+            _ => Err(misuse(
+                "ipc",
+                format!("no device ring holds {len} bytes at offset {offset}"),
+            )),
+        }
+    }
+}
+
 impl Link for ShmLink {
     fn name(&self) -> &'static str {
-        "shm"
+        if self.plane.is_some() {
+            "ipc"
+        } else {
+            "shm"
+        }
     }
 
     fn slot_bytes(&self) -> usize {
@@ -583,12 +684,22 @@ impl Link for ShmLink {
         }
         let s = ring.reserved.get();
         ring.reserved.set(s.wrapping_add(1));
-        let ptr = seg.slot_ptr(self.maps.rank, ch, (s % self.layout.slots as u32) as usize);
+        let index = (s % self.layout.slots as u32) as usize;
+        let ptr = seg.slot_ptr(self.maps.rank, ch, index);
         // SAFETY: the slot is ours until posted: the receiver has released it (credit checked above) and
         // will not touch it before its sequence word moves past it; `reserved` hands it out once. The
-        // payload lies within the mapping, which lives as long as the link.
+        // payload lies within the mapping (of the segment, or of the peer's device rings, checked by
+        // `device_span`), which lives as long as the link.
         let slot = unsafe {
-            let span = Span::host(ptr.add(SLOT_HDR), self.layout.slot_bytes);
+            let span = match &self.plane {
+                None => Span::host(ptr.add(SLOT_HDR), self.layout.slot_bytes),
+                Some(plane) => self.device_span(
+                    plane.peers.get(peer).and_then(|a| a.as_deref()),
+                    plane.ordinal,
+                    self.layout.device_slot(self.maps.rank, ch, index),
+                    self.layout.slot_bytes,
+                )?,
+            };
             SendSlot::new(self.id, peer, ch, s, span)
         };
         Ok(Some(slot))
@@ -672,13 +783,22 @@ impl Link for ShmLink {
                 ),
             });
         }
-        ring.recvd.set(r.wrapping_add(1));
         // SAFETY: `len` was checked against the slot size; the sender will not write this slot again
         // until we return the credit in `release`; the mapping lives as long as the link.
-        let slot = unsafe {
-            let span = Span::host(ptr.add(SLOT_HDR), len as usize);
-            RecvSlot::new(self.id, peer, ch, r, tag, span)
+        let span = unsafe {
+            match &self.plane {
+                None => Span::host(ptr.add(SLOT_HDR), len as usize),
+                Some(plane) => self.device_span(
+                    Some(&*plane.own),
+                    plane.ordinal,
+                    self.layout.device_slot(peer, ch, index),
+                    len as usize,
+                )?,
+            }
         };
+        ring.recvd.set(r.wrapping_add(1));
+        // SAFETY: as above.
+        let slot = unsafe { RecvSlot::new(self.id, peer, ch, r, tag, span) };
         Ok(Some(slot))
     }
 
@@ -790,6 +910,7 @@ impl Transport for Shm {
             channels: g.channels,
             slots: g.slots,
             slot_bytes: g.slot_bytes,
+            device: false,
         };
         let own = Segment::create(&self.dir.join(name), layout, g.rank)?;
         Ok(Box::new(ShmPrepared { own, layout }))
@@ -848,5 +969,9 @@ impl Connected for ShmConnected {
     }
 }
 
+pub mod ipc;
+
+#[cfg(test)]
+mod ipc_tests;
 #[cfg(test)]
 mod tests;

@@ -13,6 +13,7 @@ fn world_ch(n: usize, channels: usize, slots: usize, slot_bytes: usize) -> Vec<S
         channels,
         slots,
         slot_bytes,
+        device: false,
     };
     let tag: u64 = rand_tag();
     let path = |r: usize| PathBuf::from(format!("/dev/shm/braid-test-{tag:x}-{r}"));
@@ -43,7 +44,7 @@ fn world_ch(n: usize, channels: usize, slots: usize, slot_bytes: usize) -> Vec<S
 }
 
 /// A name unique to this test process and call.
-fn rand_tag() -> u64 {
+pub(super) fn rand_tag() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let t = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -222,6 +223,7 @@ fn open_rejects_a_foreign_or_mismatched_segment() {
         channels: 1,
         slots: 2,
         slot_bytes: 64,
+        device: false,
     };
     let p = PathBuf::from(format!("/dev/shm/braid-test-open-{:x}", rand_tag()));
     std::fs::write(&p, vec![0u8; layout.size()]).unwrap();
@@ -270,6 +272,7 @@ fn stale_segments_of_dead_processes_are_swept() {
         channels: 1,
         slots: 2,
         slot_bytes: 64,
+        device: false,
     };
     let mine = Segment::create(&dir.join("braid-live-r0"), layout, 0).unwrap();
     // A segment whose creator is gone: rewrite the pid of a copy to a reaped child's.

@@ -1,0 +1,308 @@
+//! The `ipc` transport: the shared-memory protocol with every slot's payload in device memory (CUDA IPC
+//! on a GPU; [`EmulatedDevice`](crate::EmulatedDevice) without one).
+//!
+//! Setup, per rank:
+//! - **prepare:** the segment (headers and credits only), one device allocation for all of this rank's
+//!   inbound payload rings, and a Unix socket in the abstract namespace. The endpoint names the segment,
+//!   the socket and the allocation's size.
+//! - **connect:** every rank serves its allocation's descriptor to each peer that shows the
+//!   communicator's secret (strangers are dropped), and fetches each peer's descriptor, checks the size
+//!   against the peer's endpoint and maps it. Both run at once (the serving side on a scoped thread), all
+//!   before the setup deadline.
+//! - **activate:** the segment's name goes; the link is a [`ShmLink`] with a [`DevicePlane`].
+
+use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use braid_core::Error;
+
+use super::{sweep_stale, DevicePlane, Layout, Segment, ShmLink};
+use crate::device::{recv_fd, send_fd, DeviceAllocation, DeviceMemory};
+use crate::link::Link;
+use crate::setup::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
+use crate::wait::WaitPolicy;
+
+/// The transport's name, as endpoints and routes say it.
+pub const NAME: &str = "ipc";
+
+/// Device-memory rings between the processes of one host.
+pub struct Ipc {
+    dir: PathBuf,
+    memory: Arc<dyn DeviceMemory>,
+}
+
+impl Ipc {
+    /// Segments go in `dir` (normally `/dev/shm`), payload rings in `memory`.
+    pub fn new(dir: impl Into<PathBuf>, memory: Arc<dyn DeviceMemory>) -> Ipc {
+        Ipc {
+            dir: dir.into(),
+            memory,
+        }
+    }
+}
+
+impl Transport for Ipc {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn scope(&self) -> Scope {
+        Scope::Host
+    }
+
+    fn prepare(self: Box<Self>, ctx: &SetupCtx) -> Result<Box<dyn Prepared>, Error> {
+        sweep_stale(&self.dir);
+        let g = ctx.geometry;
+        let name = format!("braid-{:016x}-r{}-ipc", ctx.nonce, g.rank);
+        let layout = Layout {
+            world: g.world,
+            channels: g.channels,
+            slots: g.slots,
+            slot_bytes: g.slot_bytes,
+            device: true,
+        };
+        let own = Segment::create(&self.dir.join(&name), layout, g.rank)?;
+        let bytes = layout.device_bytes(self.memory.granularity());
+        let (alloc, fd) = self.memory.allocate(bytes)?;
+        let what = || format!("listening on the abstract socket @{name}");
+        let addr =
+            SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| Error::io(what(), e))?;
+        let listener = UnixListener::bind_addr(&addr).map_err(|e| Error::io(what(), e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io(what(), e))?;
+        Ok(Box::new(IpcPrepared {
+            own,
+            layout,
+            memory: self.memory,
+            alloc,
+            fd,
+            listener,
+            socket: name,
+            bytes,
+        }))
+    }
+}
+
+/// What a peer published.
+struct Remote {
+    path: String,
+    socket: String,
+    bytes: usize,
+}
+
+fn parse_endpoint(p: usize, blob: &[u8]) -> Result<Remote, Error> {
+    let bad = || Error::Bootstrap(format!("rank {p} published a malformed ipc endpoint"));
+    let text = std::str::from_utf8(blob).map_err(|_| bad())?;
+    let mut parts = text.split('\n');
+    let (Some(path), Some(socket), Some(bytes), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(bad());
+    };
+    Ok(Remote {
+        path: path.to_string(),
+        socket: socket.to_string(),
+        bytes: bytes.parse().map_err(|_| bad())?,
+    })
+}
+
+struct IpcPrepared {
+    own: Segment,
+    layout: Layout,
+    memory: Arc<dyn DeviceMemory>,
+    alloc: Box<dyn DeviceAllocation>,
+    fd: OwnedFd,
+    listener: UnixListener,
+    socket: String,
+    bytes: usize,
+}
+
+fn left(deadline: Instant) -> Option<Duration> {
+    deadline
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
+}
+
+impl IpcPrepared {
+    /// Hands this rank's descriptor to each of `expected` peers that shows the secret.
+    fn serve(&self, ctx: &SetupCtx, expected: &[usize]) -> Result<(), Error> {
+        let mut served = vec![false; ctx.geometry.world];
+        let mut pending = expected.len();
+        while pending > 0 {
+            let Some(remaining) = left(ctx.deadline) else {
+                let missing: Vec<usize> =
+                    expected.iter().copied().filter(|&p| !served[p]).collect();
+                return Err(Error::Bootstrap(format!(
+                    "ipc: ranks {missing:?} did not fetch rank {}'s device rings before the setup deadline",
+                    ctx.geometry.rank
+                )));
+            };
+            let sock = match self.listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    std::thread::sleep(Duration::from_millis(1).min(remaining));
+                    continue;
+                }
+                Err(e) => return Err(Error::io("ipc: accepting a peer", e)),
+            };
+            let hello = (|| -> std::io::Result<[u8; 20]> {
+                sock.set_nonblocking(false)?;
+                sock.set_read_timeout(Some(remaining))?;
+                sock.set_write_timeout(Some(remaining))?;
+                let mut hello = [0u8; 20];
+                (&sock).read_exact(&mut hello)?;
+                Ok(hello)
+            })();
+            let Ok(hello) = hello else { continue };
+            let rank = u32::from_le_bytes([hello[16], hello[17], hello[18], hello[19]]) as usize;
+            if hello[..16] != ctx.secret || !expected.contains(&rank) || served[rank] {
+                tracing::warn!(
+                    "ipc: refused a connection that did not show the communicator's secret"
+                );
+                continue;
+            }
+            send_fd(&sock, &(self.bytes as u64).to_le_bytes(), &self.fd)?;
+            served[rank] = true;
+            pending -= 1;
+        }
+        Ok(())
+    }
+}
+
+/// Fetches and maps peer `p`'s device rings.
+fn fetch(
+    ctx: &SetupCtx,
+    memory: &dyn DeviceMemory,
+    p: usize,
+    remote: &Remote,
+) -> Result<Box<dyn DeviceAllocation>, Error> {
+    let what = || {
+        format!(
+            "ipc: fetching rank {p}'s device rings from @{}",
+            remote.socket
+        )
+    };
+    let addr = SocketAddr::from_abstract_name(remote.socket.as_bytes())
+        .map_err(|e| Error::io(what(), e))?;
+    let sock = loop {
+        match UnixStream::connect_addr(&addr) {
+            Ok(s) => break s,
+            Err(e) => match left(ctx.deadline) {
+                Some(r) => std::thread::sleep(Duration::from_millis(2).min(r)),
+                None => return Err(Error::io(what(), e)),
+            },
+        }
+    };
+    let remaining = left(ctx.deadline).unwrap_or(Duration::from_millis(1));
+    sock.set_read_timeout(Some(remaining))
+        .and_then(|()| sock.set_write_timeout(Some(remaining)))
+        .map_err(|e| Error::io(what(), e))?;
+    let mut hello = [0u8; 20];
+    hello[..16].copy_from_slice(&ctx.secret);
+    hello[16..].copy_from_slice(&(ctx.geometry.rank as u32).to_le_bytes());
+    (&sock)
+        .write_all(&hello)
+        .map_err(|e| Error::io(what(), e))?;
+    let mut size = [0u8; 8];
+    let fd = recv_fd(&sock, &mut size).map_err(|e| Error::Bootstrap(format!("{}: {e}", what())))?;
+    let bytes = u64::from_le_bytes(size) as usize;
+    if bytes != remote.bytes {
+        return Err(Error::Bootstrap(format!(
+            "{}: it sent {bytes} bytes of rings, its endpoint said {}",
+            what(),
+            remote.bytes
+        )));
+    }
+    memory.import(fd, bytes)
+}
+
+impl Prepared for IpcPrepared {
+    fn endpoint(&self) -> Vec<u8> {
+        format!(
+            "{}\n{}\n{}",
+            self.own.path().display(),
+            self.socket,
+            self.bytes
+        )
+        .into_bytes()
+    }
+
+    fn connect(
+        self: Box<Self>,
+        ctx: &SetupCtx,
+        peers: &[Option<&Peer>],
+    ) -> Result<Box<dyn Connected>, Error> {
+        let mut remotes = Vec::with_capacity(peers.len());
+        for (p, peer) in peers.iter().enumerate() {
+            remotes.push(match peer {
+                None => None,
+                Some(peer) => Some(parse_endpoint(p, peer.endpoint(NAME).unwrap_or_default())?),
+            });
+        }
+        let expected: Vec<usize> = (0..peers.len()).filter(|&p| remotes[p].is_some()).collect();
+        let mut segments = Vec::with_capacity(peers.len());
+        for (p, r) in remotes.iter().enumerate() {
+            segments.push(match r {
+                None => None,
+                Some(r) => Some(Segment::open(Path::new(&r.path), self.layout, p)?),
+            });
+        }
+        let this = &*self;
+        let (served, fetched) = std::thread::scope(|s| {
+            let server = s.spawn(|| this.serve(ctx, &expected));
+            let fetched: Result<Vec<Option<Box<dyn DeviceAllocation>>>, Error> = remotes
+                .iter()
+                .enumerate()
+                .map(|(p, r)| {
+                    r.as_ref()
+                        .map(|r| fetch(ctx, &*this.memory, p, r))
+                        .transpose()
+                })
+                .collect();
+            let served = server.join().unwrap_or_else(|_| {
+                Err(Error::Internal("ipc: the serving thread panicked".into()))
+            });
+            (served, fetched)
+        });
+        served?;
+        let fetched = fetched?;
+        let IpcPrepared {
+            own, memory, alloc, ..
+        } = *self;
+        Ok(Box::new(IpcConnected {
+            own,
+            peers: segments,
+            policy: ctx.policy,
+            plane: DevicePlane {
+                ordinal: memory.ordinal(),
+                own: alloc,
+                peers: fetched,
+            },
+        }))
+    }
+}
+
+struct IpcConnected {
+    own: Segment,
+    peers: Vec<Option<Segment>>,
+    policy: WaitPolicy,
+    plane: DevicePlane,
+}
+
+impl Connected for IpcConnected {
+    fn activate(self: Box<Self>) -> Result<Box<dyn Link>, Error> {
+        self.own.unlink()?;
+        Ok(Box::new(ShmLink::with_device(
+            self.own,
+            self.peers,
+            self.policy,
+            self.plane,
+        )))
+    }
+}
