@@ -20,6 +20,7 @@
 mod bootstrap;
 mod comm;
 pub mod compressed;
+mod device;
 mod exec;
 mod id;
 mod job;
@@ -39,6 +40,7 @@ pub use compressed::{
     AdamSafe, AdamSend, ClipScope, CodecSpec, CompressedPath, CompressedReport, CompressionConfig,
     DensityWarmup, GradientCompressor, Output, SparsePath,
 };
+pub use device::DeviceCommunicator;
 pub use id::UniqueId;
 pub use job::JobEnv;
 pub use recorder::FlightRecord;

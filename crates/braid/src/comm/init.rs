@@ -284,9 +284,12 @@ impl Communicator {
             abort.clone(),
             limit,
         ));
+        let host_ids = table.iter().map(|p| p.host.clone()).collect();
         let inner = Inner {
             rank,
             world,
+            secret: *id.secret(),
+            host_ids,
             routes,
             hosts,
             topology,

@@ -46,6 +46,10 @@ pub(crate) struct Inner {
     recorder: crate::recorder::Recorder,
     /// Registered buffers, as (address, length), whichever transport uses them.
     registered: parking_lot::Mutex<Vec<(usize, usize)>>,
+    /// The communicator's secret (links set up later, such as device rings, check it too).
+    pub(crate) secret: [u8; 16],
+    /// Each rank's host identity, as the bootstrap exchanged it (equal: same kernel, same /dev/shm).
+    pub(crate) host_ids: Vec<String>,
 }
 
 impl Communicator {
