@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Everything braid does on a GPU, in one run: the GPU tests of braid-cuda (devices, memory, pointer
 # kinds, streams and events, modules, every reduce-copy kernel against braid-core bit for bit, the
-# device engine against the CPU engine) with BRAID_REQUIRE_GPU=1, so that a missing GPU fails instead
-# of skipping; then every kernel shape timed against the device-to-device copy bandwidth measured in
-# the same run. Meant to finish within 6 minutes on one GPU.
+# device engine against the CPU engine, the ipc transport's rings in GPU memory) with
+# BRAID_REQUIRE_GPU=1, so that a missing GPU fails instead of skipping; every kernel shape timed
+# against the device-to-device copy bandwidth measured in the same run; and `braid perf --device cuda`
+# with 2 and 4 rank processes on the one GPU (all-reduce, then the other device collectives), every
+# result checked. Meant to finish within 6 minutes on one GPU.
 #
 #   scripts/gpu-check.sh              build here and run here (needs cargo and a GPU)
 #   scripts/gpu-check.sh bundle DIR   build the test binary, the bench and the sm_80/sm_90 kernel cache
@@ -31,9 +33,11 @@ for line in sys.stdin:
         print(m["executable"])')
     [ -n "$tests" ] || { echo "gpu-check: building the GPU tests failed" >&2; return 1; }
     cargo build --release -q -p braid-cuda --example reduce_copy_bench
+    cargo build --release -q -p braid-cli
     cp "$tests" "$dir/gpu-tests"
     cp target/release/examples/reduce_copy_bench "$dir/reduce_copy_bench"
-    strip "$dir/gpu-tests" "$dir/reduce_copy_bench" 2>/dev/null || true
+    cp target/release/braid "$dir/braid"
+    strip "$dir/gpu-tests" "$dir/reduce_copy_bench" "$dir/braid" 2>/dev/null || true
     # The kernels compiled ahead, so the run does not wait for NVRTC (a cache of another NVRTC
     # version is simply not used: the run then compiles once).
     for arch in 80 90; do
@@ -51,6 +55,14 @@ run_bundle() {
     "$dir/gpu-tests" --test-threads 1 --nocapture || failed=1
     echo "== reduce-copy kernels against the device-to-device copy"
     "$dir/reduce_copy_bench" --bytes "${BENCH_BYTES:-268435456}" --iters "${BENCH_ITERS:-20}" || failed=1
+    for ranks in 2 4; do
+        echo "== braid perf --device cuda, $ranks ranks on one GPU"
+        "$dir/braid" perf --ranks "$ranks" --device cuda -b 8 -e 256M -f 4 -n 20 -w 5 || failed=1
+    done
+    for c in broadcast all_gather reduce_scatter; do
+        echo "== braid perf --device cuda --collective $c, 4 ranks"
+        "$dir/braid" perf --ranks 4 --device cuda --collective "$c" -b 1K -e 64M -f 16 -n 10 -w 2 || failed=1
+    done
     echo "gpu-check: $([ $failed = 0 ] && echo passed || echo FAILED) in $((SECONDS - start)) s"
     return $failed
 }

@@ -3,6 +3,7 @@
 //! quality.
 
 mod compress_bench;
+mod device;
 mod eval;
 mod launch;
 mod perf;
@@ -107,6 +108,12 @@ enum Cmd {
         /// sends from it without a copy.
         #[arg(long)]
         register: bool,
+        /// Where the buffers live: host (default), cuda (each rank's GPU: device memory, the ipc
+        /// transport's rings in GPU memory, the CUDA kernels) or emulated (device memory emulated in
+        /// host memory, for machines without a GPU). all_reduce, broadcast, all_gather and
+        /// reduce_scatter; every rank on one host.
+        #[arg(long, default_value = "host")]
+        device: String,
     },
     /// Compression side by side: each codec's throughput against memcpy, then the dense and the
     /// compressed all-reduce of one gradient (time, speed-up, bytes sent). Runs N local ranks (--ranks),
@@ -368,6 +375,7 @@ fn main() {
             algo,
             plot,
             register,
+            device,
         } => {
             let args = (|| -> Result<perf::PerfArgs, String> {
                 let collective = perf::parse_collective(&collective)?;
@@ -404,6 +412,7 @@ fn main() {
                     algo,
                     plot,
                     register,
+                    device: device.parse()?,
                 })
             })();
             match args {

@@ -50,7 +50,17 @@ pub struct PerfArgs {
     pub plot: Option<String>,
     /// Whether to register the send buffer for sends without a copy.
     pub register: bool,
+    /// Where the buffers live (host memory, or a device's through the device communicator).
+    pub device: crate::device::Device,
 }
+
+/// The collectives `braid perf --device` measures on device memory.
+const DEVICE_COLLECTIVES: [Collective; 4] = [
+    Collective::AllReduce,
+    Collective::Broadcast,
+    Collective::AllGather,
+    Collective::ReduceScatter,
+];
 
 /// The collectives `braid perf` measures, in the order its errors list them.
 pub const COLLECTIVES: [Collective; 6] = [
@@ -485,12 +495,60 @@ struct Bench<'a> {
     send: Vec<u64>,
     recv: Vec<u64>,
     factor: f64,
+    /// With `--device`: the device communicator and its buffers (then `send` and `recv` are the host
+    /// copies results are checked in).
+    dev: Option<DeviceBench>,
+}
+
+struct DeviceBench {
+    side: crate::device::DeviceSide,
+    send: Box<dyn crate::device::DeviceBuf>,
+    recv: Box<dyn crate::device::DeviceBuf>,
+}
+
+impl DeviceBench {
+    /// One call of `c` on the device buffers.
+    fn call(&self, a: &PerfArgs, s: &Shape, in_place: bool) -> Result<(), Error> {
+        let d = &self.side.comm;
+        let (dt, rank) = (a.dtype, d.rank());
+        let recv = self.recv.span(if in_place { s.bytes } else { s.recv });
+        let send = if in_place {
+            match a.collective {
+                // The rank's own block of the output is the input.
+                Collective::AllGather => {
+                    let block = s.count * dt.size();
+                    recv.sub(rank * block, (rank + 1) * block)
+                        .ok_or_else(|| Error::invalid("all_gather in place: block out of range"))?
+                }
+                _ => recv,
+            }
+        } else {
+            self.send.span(s.send)
+        };
+        // SAFETY: both buffers are this benchmark's device buffers, alive for the whole run, and
+        // nothing else touches them during the call.
+        unsafe {
+            match a.collective {
+                Collective::AllReduce => d.all_reduce(send, recv, s.count, dt, a.op),
+                Collective::ReduceScatter => d.reduce_scatter(send, recv, s.count, dt, a.op),
+                Collective::AllGather => d.all_gather(send, recv, s.count, dt),
+                Collective::Broadcast => d.broadcast(send, recv, s.count, dt, ROOT),
+                other => Err(Error::invalid(format!(
+                    "{} does not run on device memory yet",
+                    other.name()
+                ))),
+            }
+        }
+    }
 }
 
 impl Bench<'_> {
     /// One call of the collective at `s`, out of place (the send and receive buffers) or in place (the
     /// receive buffer, `s.bytes` long).
     fn call(&mut self, s: &Shape, in_place: bool) -> Result<(), Error> {
+        if let Some(d) = &self.dev {
+            return d.call(self.a, s, in_place);
+        }
         let (comm, a) = (self.comm, self.a);
         let recv: &mut [u8] = bytemuck::cast_slice_mut(&mut self.recv);
         if in_place {
@@ -522,7 +580,20 @@ impl Bench<'_> {
                 send[..s.send].copy_from_slice(&e.send);
                 recv[..s.recv].fill(POISON);
             }
+            if let Some(d) = &mut self.dev {
+                // The device buffers start as the host copies do; the result comes back into them.
+                if !in_place {
+                    d.send.write(&send[..s.send])?;
+                }
+                let n = if in_place { s.bytes } else { s.recv };
+                d.recv.write(&recv[..n])?;
+            }
             self.call(s, in_place)?;
+            if let Some(d) = &self.dev {
+                let recv: &mut [u8] = bytemuck::cast_slice_mut(&mut self.recv);
+                let n = if in_place { s.bytes } else { s.recv };
+                d.recv.read(0, &mut recv[..n])?;
+            }
             let recv: &[u8] = bytemuck::cast_slice(&self.recv);
             w = match (in_place, &e.want, &e.want_in_place) {
                 (false, Some(want), _) => wrong(&recv[..s.recv], want, es),
@@ -583,6 +654,27 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
     } else {
         1.0
     };
+    let on_device = a.device != crate::device::Device::Host;
+    if on_device {
+        if !DEVICE_COLLECTIVES.contains(&coll) {
+            return Err(Error::invalid(format!(
+                "--device: {} does not run on device memory yet (all_reduce, broadcast, all_gather and reduce_scatter do)",
+                coll.name()
+            )));
+        }
+        if a.algo.is_some() || a.register {
+            return Err(Error::invalid(
+                "--device takes neither --algo nor --register yet",
+            ));
+        }
+    }
+    let dev = if on_device {
+        let side = crate::device::open(comm, a.device)?;
+        let (send, recv) = (side.buffer(max)?, side.buffer(max)?);
+        Some(DeviceBench { side, send, recv })
+    } else {
+        None
+    };
     let mut bench = Bench {
         comm,
         a,
@@ -590,6 +682,7 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
         send: vec![0u64; max.div_ceil(8)],
         recv: vec![0u64; max.div_ceil(8)],
         factor,
+        dev,
     };
     // Registered for as long as this function runs: the buffer is never reallocated meanwhile.
     let registered = if a.register {
@@ -625,6 +718,20 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
             a.iters,
             a.warmup
         );
+        if let Some(d) = &bench.dev {
+            println!(
+                "# buffers in {}, {} ranks through {}",
+                d.side.describe,
+                world,
+                d.side
+                    .comm
+                    .peer_transports()
+                    .iter()
+                    .find(|t| **t != "self")
+                    .copied()
+                    .unwrap_or("self")
+            );
+        }
         if let Some(r) = &registered {
             println!(
                 "# send buffer registered: {}",
@@ -672,7 +779,7 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
             .check
             .then(|| Expect::new(coll, s, dtype, bench.data_op, rank, world));
         let want = expect.as_ref();
-        let bound = if rank == 0 && bytes > 0 {
+        let bound = if rank == 0 && bytes > 0 && !on_device {
             measure_bound(bytes, a.iters.max(1), dtype, !reducing)
         } else {
             0.0
@@ -745,7 +852,7 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
             }
         } else {
             let oop = bench.measure(s, false, want)?;
-            let ip = if has_in_place(coll) {
+            let ip = if has_in_place(coll) && !(on_device && coll == Collective::ReduceScatter) {
                 Some(bench.measure(s, true, want)?)
             } else {
                 None

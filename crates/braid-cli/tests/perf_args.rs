@@ -156,3 +156,70 @@ fn a_collective_may_be_spelled_without_underscores() {
         show(&o)
     );
 }
+
+#[test]
+fn device_memory_runs_every_device_collective_exactly_across_processes() {
+    // Emulated device memory: the ipc transport's rings shared by descriptor between the rank
+    // processes, kernels run late by the emulated engine; every result is checked.
+    for collective in ["all_reduce", "broadcast", "all_gather", "reduce_scatter"] {
+        let o = braid(
+            &[
+                "perf",
+                "--ranks",
+                "3",
+                "--device",
+                "emulated",
+                "--collective",
+                collective,
+                "-b",
+                "8",
+                "-e",
+                "256K",
+                "-f",
+                "8",
+                "-n",
+                "2",
+                "-w",
+                "1",
+                "-d",
+                "bfloat16",
+            ],
+            &[],
+        );
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{collective}: {}", show(&o));
+        assert!(
+            out.contains("# buffers in emulated device memory, 3 ranks through ipc")
+                && out.contains("Out of bounds values : 0 OK"),
+            "{collective}: {}",
+            show(&o)
+        );
+    }
+}
+
+#[test]
+fn device_options_braid_cannot_honour_are_refused() {
+    let o = braid(&["perf", "--ranks", "2", "--device", "tpu"], &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        o.status.code() == Some(2)
+            && err.contains("unknown device \"tpu\"")
+            && err.contains("emulated"),
+        "{}",
+        show(&o)
+    );
+    for extra in [&["--collective", "reduce"][..], &["--algo", "ring"][..]] {
+        let mut args = vec![
+            "perf", "--ranks", "2", "--device", "emulated", "-b", "64", "-e", "64",
+        ];
+        args.extend_from_slice(extra);
+        let o = braid(&args, &[]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success()
+                && (err.contains("does not run on device memory yet") || err.contains("--algo")),
+            "{extra:?}: {}",
+            show(&o)
+        );
+    }
+}
