@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use braid_rt::{Communicator, DType, Error, ReduceOp};
 
+use crate::device;
 use crate::guard::{guard, invalid};
 use crate::{braid_comm, braid_dtype, braid_redop, braid_result, comm_of};
 
@@ -73,11 +74,11 @@ pub(crate) fn redop_of(op: braid_redop) -> Result<ReduceOp, Error> {
         .ok_or_else(|| invalid(format!("op {op} is not a braid_redop (valid: 0..=4)")))
 }
 
-/// Only the host stream exists in this build.
+/// For the calls that take host memory only: `stream` must be NULL.
 pub(crate) fn host_stream(stream: *mut c_void) -> Result<(), Error> {
     if !stream.is_null() {
         return Err(invalid(
-            "stream: CUDA streams are not supported in this build (pass NULL for the host stream)",
+            "stream: this call takes host memory and the host stream (NULL); the blocking all-reduce, reduce-scatter, all-gather and broadcast take a CUDA stream with device memory",
         ));
     }
     Ok(())
@@ -221,12 +222,19 @@ pub unsafe extern "C" fn braid_all_reduce(
     stream: *mut c_void,
 ) -> braid_result {
     guard("braid_all_reduce", || {
-        let c = checked_comm(comm, stream)?;
+        let c = comm_of(comm)?;
         let dt = dtype_of(dtype)?;
         let op = redop_of(op)?;
         let n = bytes_of(count, 1, dt, "count")?;
         let s = Region::new(sendbuf, n, "sendbuf")?;
         let r = Region::new(recvbuf, n, "recvbuf")?;
+        if let Some(d) = device::route(&c, comm, stream, &[(s, "sendbuf"), (r, "recvbuf")])? {
+            if !(n > 0 && s.ptr == r.ptr) {
+                apart(&s, &r, "sendbuf == recvbuf")?;
+            }
+            // SAFETY: memory of the communicator's device (checked), the caller's for the call.
+            return unsafe { d.comm.all_reduce(d.span(&s), d.span(&r), count, dt, op) };
+        }
         if n > 0 && s.ptr == r.ptr {
             // SAFETY: the caller's buffer, exclusively ours for the call.
             return c.all_reduce_bytes_in_place(unsafe { r.bytes_mut() }, dt, op);
@@ -255,13 +263,25 @@ pub unsafe extern "C" fn braid_reduce_scatter(
     stream: *mut c_void,
 ) -> braid_result {
     guard("braid_reduce_scatter", || {
-        let c = checked_comm(comm, stream)?;
+        let c = comm_of(comm)?;
         let dt = dtype_of(dtype)?;
         let op = redop_of(op)?;
         let n = bytes_of(recvcount, 1, dt, "recvcount")?;
         let total = bytes_of(recvcount, c.world_size(), dt, "recvcount")?;
         let s = Region::new(sendbuf, total, "sendbuf")?;
         let r = Region::new(recvbuf, n, "recvbuf")?;
+        if let Some(d) = device::route(&c, comm, stream, &[(s, "sendbuf"), (r, "recvbuf")])? {
+            if s.overlaps(&r) {
+                return Err(invalid(
+                    "sendbuf and recvbuf overlap: an in-place reduce-scatter on device memory is not supported yet",
+                ));
+            }
+            // SAFETY: disjoint memory of the communicator's device (checked), the caller's for the call.
+            return unsafe {
+                d.comm
+                    .reduce_scatter(d.span(&s), d.span(&r), recvcount, dt, op)
+            };
+        }
         if n > 0 && r.at(0) == s.at(c.rank() * n) {
             if s.aligned_for(dt) {
                 return with_type!(dt, |T| {
@@ -299,12 +319,20 @@ pub unsafe extern "C" fn braid_all_gather(
     stream: *mut c_void,
 ) -> braid_result {
     guard("braid_all_gather", || {
-        let c = checked_comm(comm, stream)?;
+        let c = comm_of(comm)?;
         let dt = dtype_of(dtype)?;
         let n = bytes_of(sendcount, 1, dt, "sendcount")?;
         let total = bytes_of(sendcount, c.world_size(), dt, "sendcount")?;
         let s = Region::new(sendbuf, n, "sendbuf")?;
         let r = Region::new(recvbuf, total, "recvbuf")?;
+        if let Some(d) = device::route(&c, comm, stream, &[(s, "sendbuf"), (r, "recvbuf")])? {
+            if !(n > 0 && s.at(0) == r.at(c.rank() * n)) {
+                apart(&s, &r, "sendbuf == recvbuf + rank · sendcount")?;
+            }
+            // SAFETY: memory of the communicator's device (checked), the caller's for the call; in
+            // place the send block is this rank's block of the output.
+            return unsafe { d.comm.all_gather(d.span(&s), d.span(&r), sendcount, dt) };
+        }
         if n > 0 && s.at(0) == r.at(c.rank() * n) {
             if r.aligned_for(dt) {
                 return with_type!(dt, |T| {
@@ -343,17 +371,42 @@ pub unsafe extern "C" fn braid_broadcast(
     stream: *mut c_void,
 ) -> braid_result {
     guard("braid_broadcast", || {
-        let c = checked_comm(comm, stream)?;
+        let c = comm_of(comm)?;
         let dt = dtype_of(dtype)?;
         let root = root_of(root, &c)?;
         let n = bytes_of(count, 1, dt, "count")?;
         let r = Region::new(recvbuf, n, "recvbuf")?;
+        // Only the root passes a send buffer: an error in it is one its peers cannot see.
+        let s = if c.rank() == root {
+            Some(Region::new(sendbuf, n, "sendbuf").map_err(|e| c.one_sided(e))?)
+        } else {
+            None
+        };
+        let bufs = [(s.unwrap_or(r), "sendbuf"), (r, "recvbuf")];
+        let routed = device::route(&c, comm, stream, &bufs[usize::from(s.is_none())..]);
+        let routed = match s {
+            Some(_) => routed.map_err(|e| c.one_sided(e))?,
+            None => routed?,
+        };
+        if let Some(d) = routed {
+            let send = match s {
+                Some(s) => {
+                    if !(n > 0 && s.ptr == r.ptr) {
+                        apart(&s, &r, "sendbuf == recvbuf").map_err(|e| c.one_sided(e))?;
+                    }
+                    d.span(&s)
+                }
+                // Off the root the send buffer is not read: the output stands in for it.
+                None => d.span(&r),
+            };
+            // SAFETY: memory of the communicator's device (checked), the caller's for the call.
+            return unsafe { d.comm.broadcast(send, d.span(&r), count, dt, root) };
+        }
         if c.rank() != root {
             // SAFETY: the caller's receive buffer, ours for the call.
             return c.broadcast_bytes(&[], unsafe { r.bytes_mut() }, dt, root);
         }
-        // Only the root passes a send buffer: an error in it is one its peers cannot see.
-        let s = Region::new(sendbuf, n, "sendbuf").map_err(|e| c.one_sided(e))?;
+        let s = s.unwrap_or(r);
         if n > 0 && s.ptr == r.ptr {
             if r.aligned_for(dt) {
                 return with_type!(dt, |T| {

@@ -22,6 +22,7 @@
 
 mod collectives;
 mod compress;
+mod device;
 mod guard;
 mod registry;
 mod work;
@@ -416,6 +417,7 @@ pub unsafe extern "C" fn braid_comm_destroy(comm: *mut braid_comm) -> braid_resu
             COMM,
             "comm",
         )?);
+        device::forget(comm);
         Ok(())
     })
 }

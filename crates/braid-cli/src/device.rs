@@ -91,11 +91,26 @@ pub fn open(comm: &Communicator, device: Device) -> Result<DeviceSide, Error> {
                 .iter()
                 .find_map(|h| h.iter().position(|&r| r == comm.rank()))
                 .unwrap_or(0);
-            let gpu = braid_cuda::Gpu::for_local_rank(local)?;
-            let kernels = Arc::new(braid_cuda::ReduceCopyKernels::load(&gpu)?);
-            let engine = braid_cuda::CudaEngine::new(kernels, braid_cuda::Priority::High)?;
-            let memory = braid_cuda::CudaMemory::new(&gpu)?;
-            let dev = comm.device(Arc::new(memory), Box::new(engine))?;
+            let opened = (|| {
+                let gpu = braid_cuda::Gpu::for_local_rank(local)?;
+                let kernels = Arc::new(braid_cuda::ReduceCopyKernels::load(&gpu)?);
+                let engine = braid_cuda::CudaEngine::new(kernels, braid_cuda::Priority::High)?;
+                let memory = braid_cuda::CudaMemory::new(&gpu)?;
+                Ok::<_, Error>((gpu, memory, engine))
+            })();
+            // Every rank learns whether every rank could open its GPU before any waits for the others.
+            let (gpu, made) = match opened {
+                Ok((gpu, memory, engine)) => (
+                    Some(gpu),
+                    Ok((
+                        Arc::new(memory) as Arc<dyn DeviceMemory>,
+                        Box::new(engine) as Box<dyn braid_exec::Engine>,
+                    )),
+                ),
+                Err(e) => (None, Err(e)),
+            };
+            let dev = comm.device_from(made)?;
+            let gpu = gpu.ok_or_else(|| Error::Internal("a device without its GPU".into()))?;
             let describe = format!("cuda device {} ({})", gpu.ordinal(), gpu.name()?);
             Ok(DeviceSide {
                 comm: dev,

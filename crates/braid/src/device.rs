@@ -25,6 +25,9 @@ use parking_lot::Mutex;
 use crate::comm::Communicator;
 use crate::tune::{AlgoPolicy, Tuner};
 
+/// The device memory and the engine a rank brings to [`Communicator::device_from`].
+pub type DeviceParts = (Arc<dyn DeviceMemory>, Box<dyn Engine>);
+
 /// The most bytes a transport's endpoint may take in the exchange.
 const ENDPOINT_MAX: usize = 1024;
 
@@ -175,6 +178,17 @@ impl Communicator {
                 seq: 0,
             }),
         })
+    }
+
+    /// [`Communicator::device`] with the memory and engine each rank has made (or failed to make, e.g.
+    /// without a GPU): every rank calls this, and when any rank's `made` is an error, every rank returns
+    /// an error (its own, or one saying another rank failed) without waiting for the others.
+    pub fn device_from(
+        &self,
+        made: Result<DeviceParts, Error>,
+    ) -> Result<DeviceCommunicator, Error> {
+        let (memory, engine) = self.all_agree("opening the device", made)?;
+        self.device(memory, engine)
     }
 
     /// Returns `result` when every rank's step succeeded; otherwise every rank returns an error (its

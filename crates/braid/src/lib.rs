@@ -40,7 +40,7 @@ pub use compressed::{
     AdamSafe, AdamSend, ClipScope, CodecSpec, CompressedPath, CompressedReport, CompressionConfig,
     DensityWarmup, GradientCompressor, Output, SparsePath,
 };
-pub use device::DeviceCommunicator;
+pub use device::{DeviceCommunicator, DeviceParts};
 pub use id::UniqueId;
 pub use job::JobEnv;
 pub use recorder::FlightRecord;

@@ -255,3 +255,39 @@ fn ranks_on_several_hosts_are_refused_on_every_rank() {
         assert!(e.contains("need every rank on one host"), "{e}");
     }
 }
+
+#[test]
+fn a_rank_that_cannot_open_its_device_fails_the_call_on_every_rank() {
+    let errors = with_ranks(
+        3,
+        |_| config(),
+        |c| {
+            let made: Result<(Arc<dyn DeviceMemory>, Box<dyn braid_exec::Engine>), braid::Error> =
+                if c.rank() == 1 {
+                    Err(braid::Error::Io {
+                        context: "no CUDA driver".into(),
+                        message: "not on this rank".into(),
+                    })
+                } else {
+                    Ok((
+                        Arc::new(EmulatedDevice::new(0)),
+                        Box::new(EmulatedDeviceEngine::new(0, 0)),
+                    ))
+                };
+            let e = c.device_from(made).map(|_| ()).unwrap_err().to_string();
+            // The communicator stays usable.
+            let mut x = [1u32];
+            c.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
+            assert_eq!(x[0], 3);
+            e
+        },
+    );
+    assert!(
+        errors[1].contains("no CUDA driver: not on this rank"),
+        "{}",
+        errors[1]
+    );
+    for e in [&errors[0], &errors[2]] {
+        assert!(e.contains("opening the device: another rank failed"), "{e}");
+    }
+}

@@ -18,7 +18,7 @@
  * 11  all_reduce                  count SIZE_MAX/2 + 1 (uint8: past isize)          "overflows"
  * 12  all_reduce                  sendbuf 8 bytes below the top of memory           "end of the address space"
  * 13  all_reduce                  recvbuf = sendbuf + 1 element (partial overlap)   "overlap"
- * 14  all_reduce                  stream not NULL                                   "CUDA streams"
+ * 14  all_reduce                  stream not NULL, no device                        "has no device"
  * 15  reduce_scatter              recvbuf inside sendbuf, not at rank's block       "overlap"
  * 16  reduce_scatter              recvcount · nranks overflows                      "recvcount"
  * 17  all_gather                  sendcount · nranks overflows                      "sendcount"
@@ -67,6 +67,8 @@
  * 60  all_reduce                  count 0, NULL and unaligned buffers               success, no effect
  * 61  get_error_string            12345                                             "unknown result code"
  * 62  get_unique_id_at            listen_addr "nowhere:99999"                       "listen_addr"
+ * 63  comm_use_cuda_device        device -2                                         "device -2"
+ * 64  comm_use_cuda_device        a forged comm                                     "braid_comm"
  */
 #include <stdint.h>
 
@@ -116,6 +118,8 @@ static braid_result c12(void) {
   return braid_all_reduce((const void *)(UINTPTR_MAX - 8), g_b, 16, BRAID_UINT8, BRAID_SUM, g_comm, NULL);
 }
 static braid_result c13(void) { return braid_all_reduce(g_b, g_b + 1, 8, BRAID_FLOAT32, BRAID_SUM, g_comm, NULL); }
+static braid_result c63(void) { return braid_comm_use_cuda_device(g_comm, -2); }
+static braid_result c64(void) { return braid_comm_use_cuda_device(FORGED_COMM, 0); }
 static braid_result c14(void) { return braid_all_reduce(g_a, g_b, N, BRAID_FLOAT32, BRAID_SUM, g_comm, (void *)g_a); }
 static braid_result c15(void) {
   /* sendbuf holds nranks blocks of 2; recvbuf starts one element into it. */
@@ -237,7 +241,7 @@ static const struct hostile_case CASES[] = {
     {"all_reduce count past isize", c11, INV, "overflows"},
     {"all_reduce buffer wraps memory", c12, INV, "end of the address space"},
     {"all_reduce partial overlap", c13, INV, "overlap"},
-    {"all_reduce stream", c14, INV, "CUDA streams are not supported"},
+    {"all_reduce stream", c14, INV, "has no device (call braid_comm_use_cuda_device first"},
     {"reduce_scatter partial overlap", c15, INV, "overlap"},
     {"reduce_scatter count overflow", c16, INV, "recvcount"},
     {"all_gather count overflow", c17, INV, "sendcount"},
@@ -286,6 +290,8 @@ static const struct hostile_case CASES[] = {
     {"count 0 with NULL and unaligned buffers", c60, BRAID_SUCCESS, ""},
     {"error string of an unknown code", c61, BRAID_SUCCESS, ""},
     {"get_unique_id_at bad address", c62, INV, "listen_addr"},
+    {"use_cuda_device -2", c63, INV, "device -2: pass a CUDA device ordinal, or -1"},
+    {"use_cuda_device forged comm", c64, INV, "braid_comm"},
 };
 
 static void reset_buffers(void) {
@@ -350,6 +356,23 @@ int main(void) {
     EXPECT(g_b[i] == (float)((i + 1) * g_world), "all_reduce after hostile input: %g", g_b[i]);
 
   CHECK(braid_barrier(g_comm, NULL));
+
+  /* A CUDA device, every rank at once: where there is none (no driver, no GPU) every rank gets an error
+   * that says so, and the communicator keeps working on the host; where there is one it succeeds, a
+   * second call is refused, and host memory with the host stream still works. */
+  braid_result dev_rc = braid_comm_use_cuda_device(g_comm, -1);
+  if (dev_rc != BRAID_SUCCESS) {
+    const char *msg = braid_get_last_error_message();
+    EXPECT(strstr(msg, "CUDA") || strstr(msg, "another rank failed"), "use_cuda_device: %s", msg);
+  } else {
+    EXPECT(braid_comm_use_cuda_device(g_comm, -1) == BRAID_INVALID_ARGUMENT &&
+               strstr(braid_get_last_error_message(), "already uses CUDA device"),
+           "a second use_cuda_device: %s", braid_get_last_error_message());
+  }
+  reset_buffers();
+  CHECK(braid_all_reduce(g_a, g_b, N, BRAID_FLOAT32, BRAID_SUM, g_comm, NULL));
+  for (int i = 0; i < N; i++)
+    EXPECT(g_b[i] == (float)((i + 1) * g_world), "all_reduce after use_cuda_device: %g", g_b[i]);
 
   /* Abort, on a one-rank communicator of this process (aborting the job's would race with the peers'
    * last receives): later calls fail fast with ABORTED or POISONED, and the handle still needs
