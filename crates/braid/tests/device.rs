@@ -262,18 +262,17 @@ fn a_rank_that_cannot_open_its_device_fails_the_call_on_every_rank() {
         3,
         |_| config(),
         |c| {
-            let made: Result<(Arc<dyn DeviceMemory>, Box<dyn braid_exec::Engine>), braid::Error> =
-                if c.rank() == 1 {
-                    Err(braid::Error::Io {
-                        context: "no CUDA driver".into(),
-                        message: "not on this rank".into(),
-                    })
-                } else {
-                    Ok((
-                        Arc::new(EmulatedDevice::new(0)),
-                        Box::new(EmulatedDeviceEngine::new(0, 0)),
-                    ))
-                };
+            let made: Result<braid::DeviceParts, braid::Error> = if c.rank() == 1 {
+                Err(braid::Error::Io {
+                    context: "no CUDA driver".into(),
+                    message: "not on this rank".into(),
+                })
+            } else {
+                Ok((
+                    Arc::new(EmulatedDevice::new(0)),
+                    Box::new(EmulatedDeviceEngine::new(0, 0)),
+                ))
+            };
             let e = c.device_from(made).map(|_| ()).unwrap_err().to_string();
             // The communicator stays usable.
             let mut x = [1u32];
