@@ -33,7 +33,11 @@ for line in sys.stdin:
         print(m["executable"])')
     [ -n "$tests" ] || { echo "gpu-check: building the GPU tests failed" >&2; return 1; }
     cargo build --release -q -p braid-cuda --example reduce_copy_bench
-    cargo build --release -q -p braid-cli
+    cargo build --release -q -p braid-cli -p braid-capi
+    mkdir -p "$dir/python/braid" "$dir/python/tests"
+    cp python/braid/*.py "$dir/python/braid/"
+    cp python/tests/test_cuda.py "$dir/python/tests/"
+    cp target/release/libbraid.so "$dir/python/braid/libbraid.so"
     cp "$tests" "$dir/gpu-tests"
     cp target/release/examples/reduce_copy_bench "$dir/reduce_copy_bench"
     cp target/release/braid "$dir/braid"
@@ -63,6 +67,8 @@ run_bundle() {
         echo "== braid perf --device cuda --collective $c, 4 ranks"
         "$dir/braid" perf --ranks 4 --device cuda --collective "$c" -b 1K -e 64M -f 16 -n 10 -w 2 || failed=1
     done
+    echo "== PyTorch CUDA tensors through the Python binding, 2 ranks"
+    "$dir/braid" run -n 2 -- python3 "$dir/python/tests/test_cuda.py" || failed=1
     echo "gpu-check: $([ $failed = 0 ] && echo passed || echo FAILED) in $((SECONDS - start)) s"
     return $failed
 }

@@ -212,6 +212,7 @@ _SIGNATURES = {
     "braid_comm_get_async_error": [_p, ctypes.POINTER(_i)],
     "braid_comm_count": [_p, ctypes.POINTER(_i)],
     "braid_comm_rank": [_p, ctypes.POINTER(_i)],
+    "braid_comm_use_cuda_device": [_p, _i],
     "braid_all_reduce": [_p, _p, _sz, _i, _i, _p, _p],
     "braid_reduce_scatter": [_p, _p, _sz, _i, _i, _p, _p],
     "braid_all_gather": [_p, _p, _sz, _i, _p, _p],
@@ -322,6 +323,81 @@ def _op_code(op):
         return _OPS[op.lower()]
     except (KeyError, AttributeError):
         raise ValueError(f"braid: unknown op {op!r} (expected one of {', '.join(_OPS)})") from None
+
+
+# CUDA's handle of the legacy default stream (CU_STREAM_LEGACY): what a CUDA array without a stream of
+# its own is ordered on.
+_CUDA_STREAM_LEGACY = 1
+
+
+class _CudaArray:
+    """A C-contiguous array in CUDA device memory, described by its ``__cuda_array_interface__`` (what
+    PyTorch's CUDA tensors, CuPy and Numba arrays export): the device pointer, the element count, the
+    dtype and the stream its producer queued work on (interface version 3), if any."""
+
+    def __init__(self, obj, name):
+        try:
+            cai = obj.__cuda_array_interface__
+        except Exception as e:  # a framework may refuse to export (e.g. bfloat16 tensors)
+            raise TypeError(f"braid: {name}: its __cuda_array_interface__ is not available: {e}") from None
+        try:
+            shape = tuple(int(d) for d in cai["shape"])
+            self.dtype = np.dtype(cai["typestr"])
+            ptr, self.readonly = cai["data"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise TypeError(f"braid: {name}: a malformed __cuda_array_interface__ ({e})") from None
+        self.size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        self.nbytes = self.size * self.dtype.itemsize
+        strides = cai.get("strides")
+        if strides is not None and self.size > 1:
+            want, step = [], self.dtype.itemsize
+            for d in reversed(shape):
+                want.append(step)
+                step *= d
+            if tuple(s for s, d in zip(strides, shape) if d > 1) != tuple(
+                s for s, d in zip(reversed(want), shape) if d > 1
+            ):
+                raise ValueError(f"braid: {name} must be C-contiguous (strides {tuple(strides)})")
+        if cai.get("mask") is not None:
+            raise ValueError(f"braid: {name}: masked CUDA arrays are not supported")
+        self.ptr = int(ptr or 0)
+        self.stream = cai.get("stream")
+        self.obj = obj
+
+    def c_ptr(self, offset=0):
+        return ctypes.c_void_p(self.ptr + offset) if self.size else None
+
+
+def _is_cuda(a):
+    return not isinstance(a, np.ndarray) and hasattr(a, "__cuda_array_interface__")
+
+
+def _cuda_stream(stream, *arrays):
+    """The stream a collective on CUDA arrays is ordered on: ``stream`` (a ``cudaStream_t`` as an int, or
+    an object with ``cuda_stream``, such as ``torch.cuda.Stream``), else the first array's own, else the
+    legacy default stream."""
+    if stream is None:
+        for a in arrays:
+            if a is not None and a.stream not in (None, 0):
+                stream = a.stream
+                break
+    if stream is None or stream == 0:
+        stream = _CUDA_STREAM_LEGACY
+    stream = getattr(stream, "cuda_stream", stream)
+    return ctypes.c_void_p(int(stream))
+
+
+def _cuda_pair(x, out, what, writeable_x):
+    """``x`` and ``out`` (None: ``x``) as CUDA arrays of one dtype; both must be CUDA arrays."""
+    cx = _CudaArray(x, "x")
+    if writeable_x and cx.readonly:
+        raise ValueError(f"braid: {what}: x is read-only")
+    cout = cx if out is None else _CudaArray(out, "out")
+    if cout.readonly:
+        raise ValueError(f"braid: {what}: out is read-only")
+    if cx.dtype != cout.dtype:
+        raise TypeError(f"braid: {what}: dtypes differ ({cx.dtype} and {cout.dtype})")
+    return cx, cout
 
 
 def _array(a, name, writeable=False):
@@ -595,8 +671,26 @@ class Communicator(_Closes):
 
     # -- collectives -------------------------------------------------------------------------------
 
-    def all_reduce(self, x, op="sum", out=None):
-        """Reduces ``x`` across ranks into ``out`` (default: ``x`` itself, in place); returns it."""
+    def use_cuda_device(self, device=-1):
+        """Gives the communicator a CUDA device (``braid_comm_use_cuda_device``; every rank calls it; -1:
+        the local rank's GPU, ``BRAID_CUDA_DEVICE`` overriding), after which the collectives also take
+        CUDA arrays (objects with ``__cuda_array_interface__``: PyTorch CUDA tensors, CuPy, Numba) without
+        copies. Raises on every rank when any rank has no usable GPU; the communicator stays usable."""
+        _check(_lib.braid_comm_use_cuda_device(self.handle, int(device)))
+
+    def all_reduce(self, x, op="sum", out=None, stream=None):
+        """Reduces ``x`` across ranks into ``out`` (default: ``x`` itself, in place); returns it.
+
+        ``x`` and ``out`` are numpy arrays, or CUDA arrays after :meth:`use_cuda_device`: then the
+        collective is ordered after the work queued on ``stream`` (default: the array's own stream, else
+        the legacy default stream) and returns once it has finished on the GPU."""
+        if _is_cuda(x) or _is_cuda(out):
+            cx, cout = _cuda_pair(x, out, "all_reduce", writeable_x=out is None)
+            if cout.size != cx.size:
+                raise ValueError(f"braid: all_reduce: out has {cout.size} elements, x {cx.size}")
+            _check(_lib.braid_all_reduce(cx.c_ptr(), cout.c_ptr(), cx.size, _dtype_code(cx.dtype),
+                                         _op_code(op), self.handle, _cuda_stream(stream, cx, cout)))
+            return cout.obj
         _array(x, "x", writeable=out is None)
         out = x if out is None else _array(out, "out", writeable=True)
         _same_kind(x, out, "all_reduce")
@@ -606,10 +700,21 @@ class Communicator(_Closes):
                                      self.handle, None))
         return out
 
-    def reduce_scatter(self, x, op="sum", out=None, in_place=False):
+    def reduce_scatter(self, x, op="sum", out=None, in_place=False, stream=None):
         """Reduces ``x`` (``size`` blocks) across ranks; this rank gets block ``rank``. Returns ``out``
-        (allocated if None), or with ``in_place`` the block of ``x`` itself."""
+        (allocated if None), or with ``in_place`` the block of ``x`` itself. CUDA arrays as in
+        :meth:`all_reduce` (``out`` must then be given, and ``in_place`` is not supported)."""
         world = self.size
+        if _is_cuda(x) or _is_cuda(out):
+            if out is None or in_place:
+                raise ValueError("braid: reduce_scatter: pass out (not in_place) for a CUDA array")
+            cx, cout = _cuda_pair(x, out, "reduce_scatter", writeable_x=False)
+            if cx.size % world or cout.size != cx.size // world:
+                raise ValueError(f"braid: reduce_scatter: x ({cx.size}) must be {world} blocks of out's "
+                                 f"{cout.size} elements")
+            _check(_lib.braid_reduce_scatter(cx.c_ptr(), cout.c_ptr(), cout.size, _dtype_code(cx.dtype),
+                                             _op_code(op), self.handle, _cuda_stream(stream, cx, cout)))
+            return cout.obj
         _array(x, "x", writeable=in_place)
         if x.size % world:
             raise ValueError(f"braid: reduce_scatter: {x.size} elements do not split into {world} blocks")
@@ -628,8 +733,19 @@ class Communicator(_Closes):
                                          self.handle, None))
         return out
 
-    def all_gather(self, x, out=None):
-        """Every rank's ``x`` in rank order, in ``out`` (allocated if None: ``size · x.size`` elements)."""
+    def all_gather(self, x, out=None, stream=None):
+        """Every rank's ``x`` in rank order, in ``out`` (allocated if None: ``size · x.size`` elements).
+        CUDA arrays as in :meth:`all_reduce` (``out`` must then be given: braid allocates no device memory
+        for the caller)."""
+        if _is_cuda(x) or _is_cuda(out):
+            if out is None:
+                raise ValueError("braid: all_gather: pass out for a CUDA array")
+            cx, cout = _cuda_pair(x, out, "all_gather", writeable_x=False)
+            if cout.size != cx.size * self.size:
+                raise ValueError(f"braid: all_gather: out must hold {cx.size * self.size} elements, has {cout.size}")
+            _check(_lib.braid_all_gather(cx.c_ptr(), cout.c_ptr(), cx.size, _dtype_code(cx.dtype), self.handle,
+                                         _cuda_stream(stream, cx, cout)))
+            return cout.obj
         _array(x, "x")
         world = self.size
         if out is None:
@@ -654,8 +770,16 @@ class Communicator(_Closes):
         _check(_lib.braid_all_gather(_ptr(block), _ptr(buf), n, _dtype_code(buf.dtype), self.handle, None))
         return buf
 
-    def broadcast(self, x, root=0, out=None):
-        """``root``'s ``x`` into every rank's ``out`` (default: ``x`` itself, in place)."""
+    def broadcast(self, x, root=0, out=None, stream=None):
+        """``root``'s ``x`` into every rank's ``out`` (default: ``x`` itself, in place). CUDA arrays as in
+        :meth:`all_reduce`."""
+        if _is_cuda(x) or _is_cuda(out):
+            cx, cout = _cuda_pair(x, out, "broadcast", writeable_x=out is None)
+            if cout.size != cx.size:
+                raise ValueError(f"braid: broadcast: out has {cout.size} elements, x {cx.size}")
+            _check(_lib.braid_broadcast(cx.c_ptr(), cout.c_ptr(), cout.size, _dtype_code(cx.dtype), int(root),
+                                        self.handle, _cuda_stream(stream, cx, cout)))
+            return cout.obj
         _array(x, "x", writeable=out is None)
         out = x if out is None else _array(out, "out", writeable=True)
         _same_kind(x, out, "broadcast")

@@ -123,6 +123,55 @@ class Collectives(unittest.TestCase):
         buf[self.rank * n:(self.rank + 1) * n] = mine
         np.testing.assert_array_equal(self.comm.all_gather_in_place(buf), want)
 
+    def test_cuda_arrays_are_parsed_and_routed_to_the_device_path(self):
+        # Objects exporting __cuda_array_interface__ (as PyTorch CUDA tensors do). Without a GPU the
+        # communicator has no device, so braid refuses them naming the stream; the parsing, the
+        # checks before the call and the no-driver path of use_cuda_device are what runs here.
+        class Fake:
+            def __init__(self, host, strides=None, readonly=False, stream=None, typestr=None):
+                self.host = host
+                self.__cuda_array_interface__ = {
+                    "shape": host.shape, "typestr": typestr or host.dtype.str, "strides": strides,
+                    "data": (host.ctypes.data, readonly), "version": 3, "stream": stream}
+
+        x = np.arange(12, dtype=np.float32)
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            self.comm.all_reduce(Fake(x))
+        self.assertIn("has no device (call braid_comm_use_cuda_device first", str(e.exception))
+        with self.assertRaises(braid.InvalidArgumentError):
+            self.comm.all_gather(Fake(x), out=Fake(np.zeros(12 * self.world, dtype=np.float32)), stream=7)
+        with self.assertRaises(ValueError) as e:
+            self.comm.all_reduce(Fake(np.zeros((3, 4), dtype=np.float32), strides=(4, 12)))
+        self.assertIn("C-contiguous", str(e.exception))
+        with self.assertRaises(ValueError) as e:
+            self.comm.all_reduce(Fake(x, readonly=True))
+        self.assertIn("read-only", str(e.exception))
+        with self.assertRaises(TypeError) as e:
+            self.comm.all_reduce(Fake(x), out=Fake(np.zeros(12, dtype=np.float64)))
+        self.assertIn("dtypes differ", str(e.exception))
+        with self.assertRaises(ValueError) as e:
+            self.comm.all_gather(Fake(x))
+        self.assertIn("pass out", str(e.exception))
+        with self.assertRaises(ValueError) as e:
+            self.comm.reduce_scatter(Fake(x), out=Fake(np.zeros(5, dtype=np.float32)))
+        self.assertIn("blocks", str(e.exception))
+        np.testing.assert_array_equal(x, np.arange(12, dtype=np.float32))  # nothing was written
+        # use_cuda_device: every rank at once; without a GPU it raises on every rank, and the
+        # communicator keeps working.
+        try:
+            self.comm.use_cuda_device()
+            had_gpu = True
+        except braid.BraidError as e:
+            had_gpu = False
+            self.assertTrue("CUDA" in str(e) or "another rank failed" in str(e), str(e))
+        y = np.ones(4, dtype=np.int32)
+        self.comm.all_reduce(y)
+        self.assertTrue((y == self.world).all())
+        if had_gpu:
+            with self.assertRaises(braid.InvalidArgumentError) as e:
+                self.comm.all_reduce(Fake(x))  # host memory behind a CUDA array: refused, named
+            self.assertIn("is host memory", str(e.exception))
+
     def test_broadcast_and_reduce_every_root(self):
         n = 50
         for root in range(self.world):

@@ -1,0 +1,46 @@
+"""braid on PyTorch CUDA tensors, run as every rank of `braid run -n N` on a machine with a GPU (by
+scripts/gpu-check.sh): the collectives take the tensors without copies, ordered after the current
+stream's work, and every result is exact; host arrays still work beside them. Prints "rank R: cuda ok"; fails (exit 1) otherwise, and when
+there is no GPU or no torch it says why and fails too, since it is only run where one is expected."""
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import braid  # noqa: E402
+
+try:
+    import torch
+except ImportError:
+    sys.exit("test_cuda: torch is not installed")
+if not torch.cuda.is_available():
+    sys.exit("test_cuda: torch sees no CUDA device")
+
+comm = braid.Communicator.from_env()
+rank, world = comm.rank, comm.size
+torch.cuda.set_device(0)
+comm.use_cuda_device(-1)
+for n in (1, 1000, 1 << 20, (1 << 22) + 3):
+    # Produced by a kernel on the current stream just before the call: braid must wait for it.
+    x = torch.arange(n, device="cuda", dtype=torch.float32) * (rank + 1)
+    comm.all_reduce(x, stream=torch.cuda.current_stream())
+    want = torch.arange(n, device="cuda", dtype=torch.float32) * (world * (world + 1) // 2)
+    assert torch.equal(x, want), f"all_reduce of {n}: {x[:4]} != {want[:4]}"
+    y = torch.full((n,), rank, device="cuda", dtype=torch.int32)
+    out = torch.empty(n * world, device="cuda", dtype=torch.int32)
+    comm.all_gather(y, out=out)
+    assert torch.equal(out.view(world, n)[:, 0].cpu(), torch.arange(world, dtype=torch.int32))
+    z = torch.full((n,), 7.0 if rank == 0 else 0.0, device="cuda", dtype=torch.float16)
+    comm.broadcast(z, root=0)
+    assert bool((z == 7.0).all()), f"broadcast of {n}"
+    big = torch.ones(n * world, device="cuda", dtype=torch.float64)
+    shard = torch.empty(n, device="cuda", dtype=torch.float64)
+    comm.reduce_scatter(big, out=shard)
+    assert bool((shard == world).all()), f"reduce_scatter of {n}"
+# Host memory still works next to the device.
+h = np.ones(8, dtype=np.float32)
+comm.all_reduce(h)
+assert (h == world).all()
+comm.close()
+print(f"rank {rank}: cuda ok", flush=True)
