@@ -5,7 +5,8 @@
 # BRAID_REQUIRE_GPU=1, so that a missing GPU fails instead of skipping; every kernel shape timed
 # against the device-to-device copy bandwidth measured in the same run; and `braid perf --device cuda`
 # with 2 and 4 rank processes on the one GPU (all-reduce, then the other device collectives), every
-# result checked. Meant to finish within 6 minutes on one GPU.
+# result checked; PyTorch CUDA tensors through the Python binding; and braid against NCCL on the same
+# tensors (benches/nccl_compare.py). Meant to finish within 6 minutes on one GPU.
 #
 #   scripts/gpu-check.sh              build here and run here (needs cargo and a GPU)
 #   scripts/gpu-check.sh bundle DIR   build the test binary, the bench and the sm_80/sm_90 kernel cache
@@ -37,6 +38,8 @@ for line in sys.stdin:
     mkdir -p "$dir/python/braid" "$dir/python/tests"
     cp python/braid/*.py "$dir/python/braid/"
     cp python/tests/test_cuda.py "$dir/python/tests/"
+    mkdir -p "$dir/benches"
+    cp benches/nccl_compare.py "$dir/benches/"
     cp target/release/libbraid.so "$dir/python/braid/libbraid.so"
     cp "$tests" "$dir/gpu-tests"
     cp target/release/examples/reduce_copy_bench "$dir/reduce_copy_bench"
@@ -69,6 +72,10 @@ run_bundle() {
     done
     echo "== PyTorch CUDA tensors through the Python binding, 2 ranks"
     "$dir/braid" run -n 2 -- python3 "$dir/python/tests/test_cuda.py" || failed=1
+    for ranks in 2 4; do
+        echo "== braid vs NCCL all-reduce, $ranks ranks on one GPU"
+        SIZES=${NCCL_SIZES:-8:256M:8} "$dir/braid" run -n "$ranks" -- python3 "$dir/benches/nccl_compare.py" || failed=1
+    done
     echo "gpu-check: $([ $failed = 0 ] && echo passed || echo FAILED) in $((SECONDS - start)) s"
     return $failed
 }
