@@ -77,22 +77,29 @@ else:
     version = ctypes.c_int()
     nccl.ncclGetVersion(ctypes.byref(version))
     uid = NcclUniqueId()
+    got_id = 1
     if rank == 0:
         rc = nccl.ncclGetUniqueId(ctypes.byref(uid))
         if rc != 0:
-            why = f"ncclGetUniqueId: {nccl.ncclGetErrorString(rc).decode()}"
-    raw = np.frombuffer(bytearray(uid.internal.ljust(128, b"\0")), dtype=np.uint8).copy()
+            got_id, why = 0, f"ncclGetUniqueId: {nccl.ncclGetErrorString(rc).decode()}"
+    # The id and whether rank 0 got one, to every rank: none calls ncclCommInitRank with a blank id.
+    raw = np.zeros(129, dtype=np.uint8)
+    raw[:128] = np.frombuffer(ctypes.string_at(ctypes.byref(uid), 128), dtype=np.uint8)
+    raw[128] = got_id
     comm.broadcast(raw, root=0)
-    ctypes.memmove(ctypes.byref(uid), raw.ctypes.data, 128)
-    handle = ctypes.c_void_p()
-    rc = nccl.ncclCommInitRank(ctypes.byref(handle), world, uid, rank)
-    ok = np.array([1 if rc == 0 else 0], dtype=np.int32)
-    comm.all_reduce(ok, op="min")
-    if ok[0] == 1:
-        nccl_comm = handle
+    if raw[128] == 0:
+        why = why or "rank 0 could not get an NCCL id"
     else:
-        why = (f"NCCL {version.value} refused {world} ranks on one GPU"
-               f" ({nccl.ncclGetErrorString(rc).decode() if rc else 'on another rank'})")
+        ctypes.memmove(ctypes.byref(uid), raw.ctypes.data, 128)
+        handle = ctypes.c_void_p()
+        rc = nccl.ncclCommInitRank(ctypes.byref(handle), world, uid, rank)
+        ok = np.array([1 if rc == 0 else 0], dtype=np.int32)
+        comm.all_reduce(ok, op="min")
+        if ok[0] == 1:
+            nccl_comm = handle
+        else:
+            why = (f"NCCL {version.value} refused {world} ranks on one GPU"
+                   f" ({nccl.ncclGetErrorString(rc).decode() if rc else 'on another rank'})")
 
 stream = torch.cuda.current_stream()
 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

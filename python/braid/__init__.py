@@ -374,17 +374,25 @@ def _is_cuda(a):
 
 def _cuda_stream(stream, *arrays):
     """The stream a collective on CUDA arrays is ordered on: ``stream`` (a ``cudaStream_t`` as an int, or
-    an object with ``cuda_stream``, such as ``torch.cuda.Stream``), else the first array's own, else the
-    legacy default stream."""
+    an object with ``cuda_stream``, such as ``torch.cuda.Stream``), else the first array's own (version 3
+    of the interface), else, for PyTorch tensors, PyTorch's current stream of their device, else the
+    legacy default stream. A stream handle of 0 is the legacy default stream too (never NULL, which means
+    host memory to braid)."""
     if stream is None:
         for a in arrays:
             if a is not None and a.stream not in (None, 0):
                 stream = a.stream
                 break
-    if stream is None or stream == 0:
-        stream = _CUDA_STREAM_LEGACY
+    if stream is None:
+        for a in arrays:
+            if a is not None and type(a.obj).__module__.startswith("torch"):
+                import torch
+
+                stream = torch.cuda.current_stream(a.obj.device)
+                break
     stream = getattr(stream, "cuda_stream", stream)
-    return ctypes.c_void_p(int(stream))
+    stream = int(stream) if stream is not None else 0
+    return ctypes.c_void_p(stream if stream != 0 else _CUDA_STREAM_LEGACY)
 
 
 def _cuda_pair(x, out, what, writeable_x):

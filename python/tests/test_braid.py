@@ -135,6 +135,15 @@ class Collectives(unittest.TestCase):
                     "data": (host.ctypes.data, readonly), "version": 3, "stream": stream}
 
         x = np.arange(12, dtype=np.float32)
+        # The stream: given, else the array's own, else the legacy default stream (1), never NULL.
+        class TorchLikeStream:
+            cuda_stream = 0
+        stream_of = lambda s, a=None: braid._cuda_stream(s, braid._CudaArray(a or Fake(x), "x")).value
+        self.assertEqual(stream_of(None), 1)
+        self.assertEqual(stream_of(TorchLikeStream()), 1)
+        self.assertEqual(stream_of(0), 1)
+        self.assertEqual(stream_of(0x7f00), 0x7f00)
+        self.assertEqual(stream_of(None, Fake(x, stream=0x5000)), 0x5000)
         with self.assertRaises(braid.InvalidArgumentError) as e:
             self.comm.all_reduce(Fake(x))
         self.assertIn("has no device (call braid_comm_use_cuda_device first", str(e.exception))

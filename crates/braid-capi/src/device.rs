@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use braid_cuda::{Event, Gpu, PointerKind, Stream};
+use braid_cuda::{Event, Gpu, PointerKind, RestoreContext, Stream};
 use braid_rt::{Communicator, DeviceCommunicator, Error};
 use braid_transport::{DeviceMemory, Span};
 use parking_lot::Mutex;
@@ -65,6 +65,7 @@ pub unsafe extern "C" fn braid_comm_use_cuda_device(
 ) -> braid_result {
     guard("braid_comm_use_cuda_device", || {
         let c = comm_of(comm)?;
+        let _restore = RestoreContext::save();
         if device < -1 {
             return Err(invalid(format!(
                 "device {device}: pass a CUDA device ordinal, or -1 for the local rank's"
@@ -111,6 +112,20 @@ fn open(c: &Communicator, device: c_int) -> Result<Opened, Error> {
     Ok((gpu, Arc::new(memory), Box::new(engine)))
 }
 
+/// A collective routed to a communicator's device: the device, and the caller's CUDA context, restored
+/// when the call ends.
+pub(crate) struct DeviceCall {
+    dev: Arc<Device>,
+    _restore: Option<RestoreContext>,
+}
+
+impl std::ops::Deref for DeviceCall {
+    type Target = Device;
+    fn deref(&self) -> &Device {
+        &self.dev
+    }
+}
+
 /// Decides where a collective of `c` on `bufs` (region, argument name) runs, from `stream` and the
 /// buffers' pointer attributes: `None` on the host, or the communicator's device, in which case the
 /// work queued on the caller's stream so far has finished (waited for, bounded by the timeout).
@@ -119,7 +134,7 @@ pub(crate) fn route(
     comm: *mut braid_comm,
     stream: *mut c_void,
     bufs: &[(Region, &str)],
-) -> Result<Option<Arc<Device>>, Error> {
+) -> Result<Option<DeviceCall>, Error> {
     if stream.is_null() && !ANY_DEVICE.load(Ordering::Acquire) {
         return Ok(None);
     }
@@ -144,6 +159,7 @@ pub(crate) fn route(
         }
         return Ok(None);
     }
+    let restore = RestoreContext::save();
     let Some(d) = dev else {
         return Err(invalid(
             "stream: a CUDA stream was given, but the communicator has no device (call braid_comm_use_cuda_device first, or pass NULL for host memory)",
@@ -176,7 +192,10 @@ pub(crate) fn route(
     let ready = Event::new(&d.gpu, false)?;
     ready.record(&caller)?;
     ready.synchronize(Instant::now() + c.config().timeout)?;
-    Ok(Some(d))
+    Ok(Some(DeviceCall {
+        dev: d,
+        _restore: restore,
+    }))
 }
 
 fn kind(addr: usize) -> Result<PointerKind, Error> {

@@ -389,6 +389,11 @@ impl Engine for CudaEngine {
         Ok(())
     }
 
+    fn quiesce(&mut self, until: Instant) -> Result<(), Error> {
+        self.stream.synchronize(until)?;
+        self.reap().map(|_| ())
+    }
+
     fn scratch(&mut self, bytes: usize) -> Result<Scratch, Error> {
         let buffer = DeviceBuffer::alloc(self.gpu(), bytes)?;
         // SAFETY: the buffer is this engine's and only kernels queued after this fill (on the same

@@ -145,6 +145,8 @@ impl DeviceMemory for CudaMemory {
         // SAFETY: the mapped range of this allocation.
         let r = unsafe { (api.memset_d8)(alloc.addr, 0, bytes) };
         check(api, r, || format!("zeroing {bytes} bytes of ring memory"))?;
+        // The memset is asynchronous for device memory: it must be done before any peer maps the rings.
+        self.gpu.synchronize()?;
         let mut fd: c_int = -1;
         // SAFETY: for the POSIX handle type the driver writes an int descriptor.
         let r = unsafe {

@@ -34,7 +34,7 @@ pub mod nvrtc;
 pub use cache::{cache_dir, load_or_compile, load_or_compile_in, CacheOutcome};
 pub use driver::{
     choose_device, driver_available, pointer_kind, DeviceBuffer, Event, Gpu, HostRegistration,
-    Module, PinnedBuffer, PointerKind, Priority, Stream,
+    Module, PinnedBuffer, PointerKind, Priority, RestoreContext, Stream,
 };
 pub use engine::CudaEngine;
 pub use ipc_memory::CudaMemory;

@@ -236,6 +236,13 @@ impl Engine for EmulatedDeviceEngine {
         Ok(())
     }
 
+    fn quiesce(&mut self, _until: Instant) -> Result<(), Error> {
+        while !self.queue.is_empty() {
+            self.run_front()?;
+        }
+        Ok(())
+    }
+
     fn scratch(&mut self, bytes: usize) -> Result<Scratch, Error> {
         let host = self.cpu.scratch(bytes)?;
         let span = host.span();

@@ -204,6 +204,13 @@ pub trait Engine: Send {
     /// At least `bytes` of zeroed scratch memory this engine can compute on. Fails with
     /// [`Error::OutOfMemory`] when it cannot be had.
     fn scratch(&mut self, bytes: usize) -> Result<Scratch, Error>;
+
+    /// Waits until every kernel queued so far has finished, or fails once `until` passes (after an
+    /// error, so that nothing still writes memory the caller gets back). Engines that complete kernels
+    /// when they are submitted have nothing to wait for.
+    fn quiesce(&mut self, _until: Instant) -> Result<(), Error> {
+        Ok(())
+    }
 }
 
 /// Checks that `engine` may compute on every span of `kernel`.

@@ -35,6 +35,7 @@ const ENDPOINT_MAX: usize = 1024;
 pub struct DeviceCommunicator {
     rank: usize,
     world: usize,
+    timeout: std::time::Duration,
     ordinal: u32,
     routes: Vec<&'static str>,
     state: Mutex<State>,
@@ -68,13 +69,6 @@ impl Communicator {
             )));
         }
         let ordinal = memory.ordinal();
-        if !engine.accepts(MemKind::Device { ordinal }) {
-            return Err(Error::invalid(format!(
-                "the {} engine does not compute on the memory of device {ordinal} ({} memory)",
-                engine.name(),
-                memory.name()
-            )));
-        }
         let config = self.config().clone();
         let geometry = Geometry {
             rank,
@@ -84,38 +78,61 @@ impl Communicator {
             slot_bytes: config.chunk_bytes.next_multiple_of(256),
         };
         let deadline = Instant::now() + config.timeout;
-        let nonce = crate::id::random_secret()?;
-        let local = world;
-        let ctx = SetupCtx {
-            geometry,
-            secret: inner.secret,
-            nonce: u64::from_le_bytes(nonce[..8].try_into().expect("8 bytes")),
-            policy: WaitPolicy::for_host(local, config.spin_us),
-            deadline,
-        };
+        let policy = WaitPolicy::for_host(world, config.spin_us);
+        // Whatever one rank alone can fail at is agreed on before any rank waits for the others, so that
+        // every rank returns the error and none is left waiting (or out of step) in a collective.
+        let checked = (|| {
+            if !engine.accepts(MemKind::Device { ordinal }) {
+                return Err(Error::invalid(format!(
+                    "the {} engine does not compute on the memory of device {ordinal} ({} memory)",
+                    engine.name(),
+                    memory.name()
+                )));
+            }
+            let nonce = crate::id::random_secret()?;
+            Ok(SetupCtx {
+                geometry,
+                secret: inner.secret,
+                nonce: u64::from_le_bytes(nonce[..8].try_into().expect("8 bytes")),
+                policy,
+                deadline,
+            })
+        })();
         let router = if world == 1 {
+            checked?;
             None
         } else {
-            // Prepare, and agree that every rank could (else none goes on to wait for the others).
-            let prepared = Setup::prepare(
-                TransportChoice {
-                    transports: vec![Box::new(Ipc::new("/dev/shm", memory.clone()))],
-                    setting: NAME.into(),
-                },
-                ctx,
-            );
+            // Prepare, and agree that every rank could.
+            let prepared = checked.and_then(|ctx| {
+                Setup::prepare(
+                    TransportChoice {
+                        transports: vec![Box::new(Ipc::new("/dev/shm", memory.clone()))],
+                        setting: NAME.into(),
+                    },
+                    ctx,
+                )
+            });
             let setup = self.all_agree("preparing device rings", prepared)?;
             let mine = setup.endpoints().into_iter().find(|e| e.transport == NAME);
             let blob = mine.map(|e| e.blob).unwrap_or_default();
-            if blob.len() > ENDPOINT_MAX - 2 {
-                return Err(Error::Internal(format!(
-                    "the ipc endpoint takes {} bytes, more than {ENDPOINT_MAX}",
-                    blob.len()
-                )));
-            }
             let mut frame = vec![0u8; ENDPOINT_MAX];
-            frame[..2].copy_from_slice(&(blob.len() as u16).to_le_bytes());
-            frame[2..2 + blob.len()].copy_from_slice(&blob);
+            let fits = blob.len() <= ENDPOINT_MAX - 2;
+            if fits {
+                frame[..2].copy_from_slice(&(blob.len() as u16).to_le_bytes());
+                frame[2..2 + blob.len()].copy_from_slice(&blob);
+            }
+            let fits = self.all_agree(
+                "exchanging device ring endpoints",
+                if fits {
+                    Ok(())
+                } else {
+                    Err(Error::Internal(format!(
+                        "the ipc endpoint takes {} bytes, more than {ENDPOINT_MAX}",
+                        blob.len()
+                    )))
+                },
+            );
+            fits?;
             let mut all = vec![0u8; ENDPOINT_MAX * world];
             self.all_gather(&frame, &mut all)?;
             let table: Vec<Peer> = (0..world)
@@ -132,9 +149,10 @@ impl Communicator {
                     }
                 })
                 .collect();
-            let connecting = setup.connect(&table, ctx.policy);
+            let connecting = setup.connect(&table, policy);
             let connecting = self.all_agree("connecting device rings", connecting)?;
-            Some(connecting.activate()?)
+            let router = connecting.activate();
+            Some(self.all_agree("activating device rings", router)?)
         };
         let routes = match &router {
             Some(r) => r.route_names().to_vec(),
@@ -142,7 +160,9 @@ impl Communicator {
         };
         let settings = Settings {
             timeout: config.timeout,
-            debug_checks: config.debug_checks,
+            // The executor's debug checks exchange a fingerprint written from host memory into the
+            // slots, which device slots cannot take; a device collective runs without them.
+            debug_checks: false,
             rings: config.channels,
         };
         let mut exec = braid_exec::Executor::<dyn Engine>::new(
@@ -170,6 +190,7 @@ impl Communicator {
         Ok(DeviceCommunicator {
             rank,
             world,
+            timeout: config.timeout,
             ordinal,
             routes,
             state: Mutex::new(State {
@@ -285,8 +306,16 @@ impl DeviceCommunicator {
             recv,
         };
         let seqs = &mut st.seq;
-        st.exec
-            .run_op(op, algo, 0, seq, Instant::now(), || *seqs += 1)
+        let started = Instant::now();
+        let result = st.exec.run_op(op, algo, 0, seq, started, || *seqs += 1);
+        if result.is_err() {
+            // Kernels queued before the failure may still write the buffers: the caller gets them back
+            // only once they have finished (bounded).
+            if let Err(e) = st.exec.quiesce(Instant::now() + self.timeout) {
+                tracing::warn!("after a failed device collective: {e}");
+            }
+        }
+        result
     }
 
     fn elems(count: usize, times: usize, dtype: DType) -> Result<usize, Error> {

@@ -319,6 +319,8 @@ driver_api! {
     primary_ctx_release = ["cuDevicePrimaryCtxRelease_v2"] fn(CuDevice) as "CUdevice";
     /// `cuCtxSetCurrent`.
     ctx_set_current = ["cuCtxSetCurrent"] fn(Handle) as "CUcontext";
+    /// `cuCtxGetCurrent`.
+    ctx_get_current = ["cuCtxGetCurrent"] fn(*mut Handle) as "CUcontext*";
     /// `cuCtxGetStreamPriorityRange`.
     ctx_get_stream_priority_range = ["cuCtxGetStreamPriorityRange"] fn(*mut c_int, *mut c_int) as "int*, int*";
     /// `cuCtxSynchronize`.

@@ -87,6 +87,39 @@ impl Drop for Context {
     }
 }
 
+/// The calling thread's current CUDA context, put back when this drops: braid binds its device's context
+/// before each driver call, and a caller (a framework's thread) keeps the context it had.
+pub struct RestoreContext {
+    api: &'static Api,
+    previous: Handle,
+}
+
+impl RestoreContext {
+    /// Remembers the calling thread's current context (`None` without a driver: nothing to restore).
+    pub fn save() -> Option<RestoreContext> {
+        let api = api().ok()?;
+        let mut previous: Handle = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        let r = unsafe { (api.ctx_get_current)(&mut previous) };
+        (r == api::CUDA_SUCCESS).then_some(RestoreContext { api, previous })
+    }
+}
+
+impl Drop for RestoreContext {
+    fn drop(&mut self) {
+        // SAFETY: `previous` was current on this thread when saved (or null: no context), and a context
+        // handle stays valid while some thread or retain holds it.
+        let r = unsafe { (self.api.ctx_set_current)(self.previous) };
+        if let Err(e) = check(self.api, r, || "restoring the caller's CUDA context".into()) {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
+// SAFETY: a context handle is a plain value; the guard is used and dropped on the thread that made it
+// in practice, and cuCtxSetCurrent is valid on any thread.
+unsafe impl Send for RestoreContext {}
+
 /// One GPU, through its primary context (the one the CUDA runtime and PyTorch use, so memory and
 /// streams are shared with them). Cheap to clone.
 #[derive(Clone)]

@@ -13,7 +13,7 @@ mod memory;
 mod module;
 mod stream;
 
-pub use device::{choose_device, Gpu, DEVICE_VARIABLE};
+pub use device::{choose_device, Gpu, RestoreContext, DEVICE_VARIABLE};
 pub use memory::{pointer_kind, DeviceBuffer, HostRegistration, PinnedBuffer, PointerKind};
 pub(crate) use module::launch_raw;
 pub use module::{Function, Module};

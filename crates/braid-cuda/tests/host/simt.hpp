@@ -315,8 +315,14 @@ inline Pool& pool() {
   return p;
 }
 
+// One launch at a time, whatever the kernel: every launch shares the one pool.
+inline std::mutex& launch_lock() {
+  static std::mutex m;
+  return m;
+}
+
 // Runs `kernel(args...)` over `grid` × `block` threads and returns when every thread has returned.
-// Launches from several host threads at once are not supported (one pool serves them in turn).
+// Launches from several host threads run one after another (one pool serves them all).
 template <class... P, class... A>
 void launch(Blocks mode, dim3 grid, dim3 block, void (*kernel)(P...), A&&... args) {
   const unsigned long long per_block = (unsigned long long)block.x * block.y * block.z;
@@ -327,8 +333,7 @@ void launch(Blocks mode, dim3 grid, dim3 block, void (*kernel)(P...), A&&... arg
   const std::tuple<typename std::decay<P>::type...> params(std::forward<A>(args)...);
   unsigned long long wave = mode == Blocks::InTurn ? 1 : max_threads() / per_block;
   if (wave == 0) wave = 1;
-  static std::mutex one_launch_at_a_time;
-  std::lock_guard<std::mutex> serial(one_launch_at_a_time);
+  std::lock_guard<std::mutex> serial(launch_lock());
   for (unsigned long long first = 0; first < blocks; first += wave) {
     const unsigned long long last = first + wave < blocks ? first + wave : blocks;
     std::vector<std::unique_ptr<Block>> running;

@@ -224,11 +224,13 @@ pub struct Executor<E: Engine + ?Sized = dyn Engine> {
     rank: usize,
     world: usize,
     settings: Settings,
+    /// Declared (so dropped) before the link: a device engine waits for its queued kernels when it
+    /// drops, and they may still use the link's slots, which go with the link.
+    engine: Box<E>,
     link: Option<Box<dyn Link>>,
     /// The link's slot size and channels (fixed: read once, not on every op).
     slot_bytes: usize,
     channels: usize,
-    engine: Box<E>,
     abort: Arc<AtomicBool>,
     hosts: Vec<Vec<usize>>,
     /// Recently used plans, most recent first.
@@ -294,6 +296,12 @@ impl<E: Engine + ?Sized> Executor<E> {
     /// The link, if there are peers.
     pub fn link(&self) -> Option<&dyn Link> {
         self.link.as_deref()
+    }
+
+    /// Waits (until `until` at the latest) for every kernel the engine has queued: after a failed run,
+    /// before the caller's memory is handed back.
+    pub fn quiesce(&mut self, until: Instant) -> Result<(), Error> {
+        self.engine.quiesce(until)
     }
 
     /// The engine's name.

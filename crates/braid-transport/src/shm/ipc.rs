@@ -30,6 +30,9 @@ use crate::wait::WaitPolicy;
 /// The transport's name, as endpoints and routes say it.
 pub const NAME: &str = "ipc";
 
+/// How long a connection may take to say who it is before it is dropped.
+const HELLO_PATIENCE: Duration = Duration::from_secs(2);
+
 /// Device-memory rings between the processes of one host.
 pub struct Ipc {
     dir: PathBuf,
@@ -151,10 +154,13 @@ impl IpcPrepared {
                 }
                 Err(e) => return Err(Error::io("ipc: accepting a peer", e)),
             };
+            // A peer sends its hello as soon as it connects: a connection that stays silent (a stranger)
+            // is dropped after a short wait instead of holding the real peers back until the deadline.
+            let patience = remaining.min(HELLO_PATIENCE);
             let hello = (|| -> std::io::Result<[u8; 20]> {
                 sock.set_nonblocking(false)?;
-                sock.set_read_timeout(Some(remaining))?;
-                sock.set_write_timeout(Some(remaining))?;
+                sock.set_read_timeout(Some(patience))?;
+                sock.set_write_timeout(Some(patience))?;
                 let mut hello = [0u8; 20];
                 (&sock).read_exact(&mut hello)?;
                 Ok(hello)

@@ -174,7 +174,7 @@ fn messages_cross_device_rings_in_order_on_every_channel() {
 }
 
 #[test]
-fn a_stranger_without_the_secret_gets_no_descriptor() {
+fn strangers_without_the_secret_get_no_descriptor_and_hold_nothing_back() {
     let nonce = rand_tag();
     let ctx0 = setup_ctx(0, 2, 2, 256, nonce);
     let ctx1 = setup_ctx(1, 2, 2, 256, nonce);
@@ -217,12 +217,25 @@ fn a_stranger_without_the_secret_gets_no_descriptor() {
             let mut buf = [0u8; 8];
             sock.read(&mut buf).unwrap_or(0)
         });
+        // Another connects and says nothing until setup is over (past the setup deadline, if setup
+        // waited for it): it is dropped after a short wait, and setup goes on.
+        let (done, wait_done) = std::sync::mpsc::channel::<()>();
+        let name = socket.clone();
+        let silent = s.spawn(move || {
+            use std::os::linux::net::SocketAddrExt;
+            let addr = std::os::unix::net::SocketAddr::from_abstract_name(name.as_bytes()).unwrap();
+            let sock = std::os::unix::net::UnixStream::connect_addr(&addr).unwrap();
+            let _ = wait_done.recv_timeout(Duration::from_secs(40));
+            drop(sock);
+        });
         std::thread::sleep(Duration::from_millis(50));
         let h1 = s.spawn(|| p1.connect(&ctx1, &[Some(&t0), None]).map(|_| ()));
         let c0 = p0.connect(&ctx0, &[None, Some(&t1)]).map(|_| ());
         assert!(c0.is_ok(), "{:?}", c0.err());
         assert!(h1.join().unwrap().is_ok());
+        done.send(()).unwrap();
         assert_eq!(stranger.join().unwrap(), 0, "the stranger read bytes");
+        silent.join().unwrap();
     });
 }
 
