@@ -44,7 +44,7 @@ for line in sys.stdin:
     cp "$tests" "$dir/gpu-tests"
     cp target/release/examples/reduce_copy_bench "$dir/reduce_copy_bench"
     cp target/release/braid "$dir/braid"
-    strip "$dir/gpu-tests" "$dir/reduce_copy_bench" "$dir/braid" 2>/dev/null || true
+    strip "$dir/gpu-tests" "$dir/reduce_copy_bench" "$dir/braid" "$dir/python/braid/libbraid.so" 2>/dev/null || true
     # The kernels compiled ahead, so the run does not wait for NVRTC (a cache of another NVRTC
     # version is simply not used: the run then compiles once).
     for arch in 80 90; do
