@@ -330,82 +330,201 @@ def _op_code(op):
 _CUDA_STREAM_LEGACY = 1
 
 
-class _CudaArray:
-    """A C-contiguous array in CUDA device memory, described by its ``__cuda_array_interface__`` (what
-    PyTorch's CUDA tensors, CuPy and Numba arrays export): the device pointer, the element count, the
-    dtype and the stream its producer queued work on (interface version 3), if any."""
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
 
-    def __init__(self, obj, name):
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+_DLDeleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DLDeleter)]
+
+
+_KDL_CUDA = 2
+# DLPack (type code, bits) -> braid dtype code; type codes: 0 int, 1 uint, 2 float, 4 bfloat.
+_DL_DTYPES = {(0, 8): 0, (1, 8): 1, (0, 32): 2, (1, 32): 3, (0, 64): 4, (1, 64): 5, (2, 16): 6, (2, 32): 7,
+              (2, 64): 8, (4, 16): 9}
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_rename = ctypes.pythonapi.PyCapsule_SetName
+_capsule_rename.restype = ctypes.c_int
+_capsule_rename.argtypes = [ctypes.py_object, ctypes.c_char_p]
+# The capsule keeps the pointer to its name: it must outlive every capsule renamed with it.
+_USED_DLTENSOR = ctypes.create_string_buffer(b"used_dltensor")
+
+
+def _contiguous(shape, strides, unit):
+    """Whether ``strides`` (in units of ``unit`` bytes, or None) lay ``shape`` out in C order."""
+    if strides is None:
+        return True
+    step, want = unit, []
+    for d in reversed(shape):
+        want.append(step)
+        step *= d
+    return tuple(s for s, d in zip(strides, shape) if d > 1) == tuple(
+        s for s, d in zip(reversed(want), shape) if d > 1)
+
+
+def _dlpack_device(obj):
+    try:
+        return tuple(obj.__dlpack_device__())
+    except Exception:
+        return None
+
+
+class _CudaArray:
+    """A C-contiguous array in CUDA device memory, taken without a copy from a DLPack producer on a CUDA
+    device (``__dlpack__``: PyTorch, JAX, CuPy; bfloat16 included) or from its
+    ``__cuda_array_interface__`` (PyTorch, CuPy, Numba): the device pointer, the element count, braid's
+    dtype code, and the stream its producer queued work on (version 3 of the interface), if any. DLPack
+    producers are asked to order their work on ``stream`` when they export."""
+
+    def __init__(self, obj, name, stream):
+        self.obj, self.stream, self._managed = obj, None, None
+        dev = _dlpack_device(obj)
+        if dev is not None and dev[0] == _KDL_CUDA and hasattr(obj, "__dlpack__"):
+            self._from_dlpack(obj, name, stream)
+        else:
+            self._from_cai(obj, name)
+
+    def _from_cai(self, obj, name):
         try:
             cai = obj.__cuda_array_interface__
         except Exception as e:  # a framework may refuse to export (e.g. bfloat16 tensors)
             raise TypeError(f"braid: {name}: its __cuda_array_interface__ is not available: {e}") from None
         try:
             shape = tuple(int(d) for d in cai["shape"])
-            self.dtype = np.dtype(cai["typestr"])
+            dtype = np.dtype(cai["typestr"])
             ptr, self.readonly = cai["data"]
         except (KeyError, TypeError, ValueError) as e:
             raise TypeError(f"braid: {name}: a malformed __cuda_array_interface__ ({e})") from None
+        self.code, self.itemsize = _dtype_code(dtype), dtype.itemsize
         self.size = int(np.prod(shape, dtype=np.int64)) if shape else 1
-        self.nbytes = self.size * self.dtype.itemsize
         strides = cai.get("strides")
-        if strides is not None and self.size > 1:
-            want, step = [], self.dtype.itemsize
-            for d in reversed(shape):
-                want.append(step)
-                step *= d
-            if tuple(s for s, d in zip(strides, shape) if d > 1) != tuple(
-                s for s, d in zip(reversed(want), shape) if d > 1
-            ):
-                raise ValueError(f"braid: {name} must be C-contiguous (strides {tuple(strides)})")
+        if self.size > 1 and not _contiguous(shape, strides, self.itemsize):
+            raise ValueError(f"braid: {name} must be C-contiguous (strides {tuple(strides)})")
         if cai.get("mask") is not None:
             raise ValueError(f"braid: {name}: masked CUDA arrays are not supported")
         self.ptr = int(ptr or 0)
         self.stream = cai.get("stream")
-        self.obj = obj
+
+    def _from_dlpack(self, obj, name, stream):
+        try:
+            cap = obj.__dlpack__(stream=stream)
+            ptr = _capsule_pointer(cap, b"dltensor")
+        except Exception as e:
+            raise TypeError(f"braid: {name}: its DLPack export failed: {e}") from None
+        managed = _DLManagedTensor.from_address(ptr)
+        # Consumed: the capsule no longer frees it; braid calls the deleter once the collective is over.
+        _capsule_rename(cap, _USED_DLTENSOR)
+        self._managed = (ptr, managed.deleter)
+        t = managed.dl_tensor
+        shape = tuple(t.shape[i] for i in range(t.ndim))
+        strides = None if not t.strides else tuple(t.strides[i] for i in range(t.ndim))
+        code = _DL_DTYPES.get((t.dtype.code, t.dtype.bits)) if t.dtype.lanes == 1 else None
+        if code is None:
+            self.release()
+            raise TypeError(f"braid: {name}: DLPack dtype (code {t.dtype.code}, {t.dtype.bits} bits, "
+                            f"{t.dtype.lanes} lanes) is not one braid reduces")
+        self.code, self.itemsize = code, t.dtype.bits // 8
+        self.size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if self.size > 1 and not _contiguous(shape, strides, 1):
+            self.release()
+            raise ValueError(f"braid: {name} must be C-contiguous (strides {strides})")
+        self.ptr = int(t.data or 0) + int(t.byte_offset)
+        self.readonly = False
+
+    def release(self):
+        """Gives a DLPack export back to its producer (once)."""
+        if self._managed is not None:
+            ptr, deleter = self._managed
+            self._managed = None
+            if deleter:
+                deleter(ptr)
 
     def c_ptr(self, offset=0):
         return ctypes.c_void_p(self.ptr + offset) if self.size else None
 
 
 def _is_cuda(a):
-    return not isinstance(a, np.ndarray) and hasattr(a, "__cuda_array_interface__")
+    if a is None or isinstance(a, np.ndarray):
+        return False
+    dev = _dlpack_device(a)
+    return hasattr(a, "__cuda_array_interface__") or (dev is not None and dev[0] == _KDL_CUDA)
 
 
-def _cuda_stream(stream, *arrays):
-    """The stream a collective on CUDA arrays is ordered on: ``stream`` (a ``cudaStream_t`` as an int, or
-    an object with ``cuda_stream``, such as ``torch.cuda.Stream``), else the first array's own (version 3
-    of the interface), else, for PyTorch tensors, PyTorch's current stream of their device, else the
-    legacy default stream. A stream handle of 0 is the legacy default stream too (never NULL, which means
-    host memory to braid)."""
+def _pick_stream(stream, objs):
+    """The stream a collective on CUDA arrays is ordered on, as an int: ``stream`` (a ``cudaStream_t`` as
+    an int, or an object with ``cuda_stream``, such as ``torch.cuda.Stream``), else an array's own
+    (version 3 of ``__cuda_array_interface__``), else, for PyTorch tensors, PyTorch's current stream of
+    their device, else the legacy default stream. A handle of 0 is the legacy default stream too (never
+    NULL, which means host memory to braid)."""
     if stream is None:
-        for a in arrays:
-            if a is not None and a.stream not in (None, 0):
-                stream = a.stream
+        for o in objs:
+            try:
+                s = o.__cuda_array_interface__.get("stream")
+            except Exception:
+                s = None
+            if s not in (None, 0):
+                stream = s
                 break
     if stream is None:
-        for a in arrays:
-            if a is not None and type(a.obj).__module__.startswith("torch"):
+        for o in objs:
+            if type(o).__module__.startswith("torch"):
                 import torch
 
-                stream = torch.cuda.current_stream(a.obj.device)
+                stream = torch.cuda.current_stream(o.device)
                 break
     stream = getattr(stream, "cuda_stream", stream)
     stream = int(stream) if stream is not None else 0
-    return ctypes.c_void_p(stream if stream != 0 else _CUDA_STREAM_LEGACY)
+    return stream if stream != 0 else _CUDA_STREAM_LEGACY
 
 
-def _cuda_pair(x, out, what, writeable_x):
-    """``x`` and ``out`` (None: ``x``) as CUDA arrays of one dtype; both must be CUDA arrays."""
-    cx = _CudaArray(x, "x")
-    if writeable_x and cx.readonly:
-        raise ValueError(f"braid: {what}: x is read-only")
-    cout = cx if out is None else _CudaArray(out, "out")
-    if cout.readonly:
-        raise ValueError(f"braid: {what}: out is read-only")
-    if cx.dtype != cout.dtype:
-        raise TypeError(f"braid: {what}: dtypes differ ({cx.dtype} and {cout.dtype})")
-    return cx, cout
+def _cuda_stream(stream, *arrays):
+    """:func:`_pick_stream` for parsed arrays, as a ``c_void_p``."""
+    return ctypes.c_void_p(_pick_stream(stream, [a.obj for a in arrays if a is not None]))
+
+
+class _CudaCall:
+    """``x`` and ``out`` (None: ``x``) as CUDA arrays of one dtype, and the stream; a context manager
+    that gives DLPack exports back when the call is over."""
+
+    def __init__(self, x, out, what, writeable_x, stream):
+        objs = [x] + ([] if out is None else [out])
+        self.stream_int = _pick_stream(stream, objs)
+        self.stream = ctypes.c_void_p(self.stream_int)
+        self.x = _CudaArray(x, "x", self.stream_int)
+        try:
+            self.out = self.x if out is None else _CudaArray(out, "out", self.stream_int)
+            if writeable_x and self.x.readonly:
+                raise ValueError(f"braid: {what}: x is read-only")
+            if self.out.readonly:
+                raise ValueError(f"braid: {what}: out is read-only")
+            if self.x.code != self.out.code:
+                raise TypeError(f"braid: {what}: dtypes differ ({self.x.code} and {self.out.code} as braid_dtype)")
+        except Exception:
+            self.__exit__()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.x.release()
+        if getattr(self, "out", None) is not None and self.out is not self.x:
+            self.out.release()
 
 
 def _array(a, name, writeable=False):
@@ -693,12 +812,12 @@ class Communicator(_Closes):
         collective is ordered after the work queued on ``stream`` (default: the array's own stream, else
         the legacy default stream) and returns once it has finished on the GPU."""
         if _is_cuda(x) or _is_cuda(out):
-            cx, cout = _cuda_pair(x, out, "all_reduce", writeable_x=out is None)
-            if cout.size != cx.size:
-                raise ValueError(f"braid: all_reduce: out has {cout.size} elements, x {cx.size}")
-            _check(_lib.braid_all_reduce(cx.c_ptr(), cout.c_ptr(), cx.size, _dtype_code(cx.dtype),
-                                         _op_code(op), self.handle, _cuda_stream(stream, cx, cout)))
-            return cout.obj
+            with _CudaCall(x, out, "all_reduce", out is None, stream) as c:
+                if c.out.size != c.x.size:
+                    raise ValueError(f"braid: all_reduce: out has {c.out.size} elements, x {c.x.size}")
+                _check(_lib.braid_all_reduce(c.x.c_ptr(), c.out.c_ptr(), c.x.size, c.x.code, _op_code(op),
+                                             self.handle, c.stream))
+                return c.out.obj
         _array(x, "x", writeable=out is None)
         out = x if out is None else _array(out, "out", writeable=True)
         _same_kind(x, out, "all_reduce")
@@ -716,13 +835,13 @@ class Communicator(_Closes):
         if _is_cuda(x) or _is_cuda(out):
             if out is None or in_place:
                 raise ValueError("braid: reduce_scatter: pass out (not in_place) for a CUDA array")
-            cx, cout = _cuda_pair(x, out, "reduce_scatter", writeable_x=False)
-            if cx.size % world or cout.size != cx.size // world:
-                raise ValueError(f"braid: reduce_scatter: x ({cx.size}) must be {world} blocks of out's "
-                                 f"{cout.size} elements")
-            _check(_lib.braid_reduce_scatter(cx.c_ptr(), cout.c_ptr(), cout.size, _dtype_code(cx.dtype),
-                                             _op_code(op), self.handle, _cuda_stream(stream, cx, cout)))
-            return cout.obj
+            with _CudaCall(x, out, "reduce_scatter", False, stream) as c:
+                if c.x.size % world or c.out.size != c.x.size // world:
+                    raise ValueError(f"braid: reduce_scatter: x ({c.x.size}) must be {world} blocks of out's "
+                                     f"{c.out.size} elements")
+                _check(_lib.braid_reduce_scatter(c.x.c_ptr(), c.out.c_ptr(), c.out.size, c.x.code, _op_code(op),
+                                                 self.handle, c.stream))
+                return c.out.obj
         _array(x, "x", writeable=in_place)
         if x.size % world:
             raise ValueError(f"braid: reduce_scatter: {x.size} elements do not split into {world} blocks")
@@ -748,12 +867,13 @@ class Communicator(_Closes):
         if _is_cuda(x) or _is_cuda(out):
             if out is None:
                 raise ValueError("braid: all_gather: pass out for a CUDA array")
-            cx, cout = _cuda_pair(x, out, "all_gather", writeable_x=False)
-            if cout.size != cx.size * self.size:
-                raise ValueError(f"braid: all_gather: out must hold {cx.size * self.size} elements, has {cout.size}")
-            _check(_lib.braid_all_gather(cx.c_ptr(), cout.c_ptr(), cx.size, _dtype_code(cx.dtype), self.handle,
-                                         _cuda_stream(stream, cx, cout)))
-            return cout.obj
+            with _CudaCall(x, out, "all_gather", False, stream) as c:
+                if c.out.size != c.x.size * self.size:
+                    raise ValueError(f"braid: all_gather: out must hold {c.x.size * self.size} elements, "
+                                     f"has {c.out.size}")
+                _check(_lib.braid_all_gather(c.x.c_ptr(), c.out.c_ptr(), c.x.size, c.x.code, self.handle,
+                                             c.stream))
+                return c.out.obj
         _array(x, "x")
         world = self.size
         if out is None:
@@ -782,12 +902,12 @@ class Communicator(_Closes):
         """``root``'s ``x`` into every rank's ``out`` (default: ``x`` itself, in place). CUDA arrays as in
         :meth:`all_reduce`."""
         if _is_cuda(x) or _is_cuda(out):
-            cx, cout = _cuda_pair(x, out, "broadcast", writeable_x=out is None)
-            if cout.size != cx.size:
-                raise ValueError(f"braid: broadcast: out has {cout.size} elements, x {cx.size}")
-            _check(_lib.braid_broadcast(cx.c_ptr(), cout.c_ptr(), cout.size, _dtype_code(cx.dtype), int(root),
-                                        self.handle, _cuda_stream(stream, cx, cout)))
-            return cout.obj
+            with _CudaCall(x, out, "broadcast", out is None, stream) as c:
+                if c.out.size != c.x.size:
+                    raise ValueError(f"braid: broadcast: out has {c.out.size} elements, x {c.x.size}")
+                _check(_lib.braid_broadcast(c.x.c_ptr(), c.out.c_ptr(), c.out.size, c.x.code, int(root),
+                                            self.handle, c.stream))
+                return c.out.obj
         _array(x, "x", writeable=out is None)
         out = x if out is None else _array(out, "out", writeable=True)
         _same_kind(x, out, "broadcast")

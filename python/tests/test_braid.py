@@ -138,7 +138,7 @@ class Collectives(unittest.TestCase):
         # The stream: given, else the array's own, else the legacy default stream (1), never NULL.
         class TorchLikeStream:
             cuda_stream = 0
-        stream_of = lambda s, a=None: braid._cuda_stream(s, braid._CudaArray(a or Fake(x), "x")).value
+        stream_of = lambda s, a=None: braid._pick_stream(s, [a or Fake(x)])
         self.assertEqual(stream_of(None), 1)
         self.assertEqual(stream_of(TorchLikeStream()), 1)
         self.assertEqual(stream_of(0), 1)
@@ -165,6 +165,54 @@ class Collectives(unittest.TestCase):
             self.comm.reduce_scatter(Fake(x), out=Fake(np.zeros(5, dtype=np.float32)))
         self.assertIn("blocks", str(e.exception))
         np.testing.assert_array_equal(x, np.arange(12, dtype=np.float32))  # nothing was written
+        # DLPack producers on a CUDA device (PyTorch's bfloat16 tensors only export this way): the
+        # export is parsed (pointer + byte offset, shape, strides, dtype), the stream is handed to the
+        # producer, and the export is given back (its deleter called) whatever the outcome.
+        import ctypes
+
+        class FakeDL:
+            def __init__(self, host, code, bits, strides=None, offset=0):
+                self.host, self.code, self.bits, self.strides, self.offset = host, code, bits, strides, offset
+                self.deleted, self.streams = 0, []
+
+            def __dlpack_device__(self):
+                return (2, 0)
+
+            def __dlpack__(self, stream=None):
+                self.streams.append(stream)
+                self.shape_c = (ctypes.c_int64 * 1)(self.host.size * self.host.itemsize * 8 // self.bits)
+                self.strides_c = None if self.strides is None else (ctypes.c_int64 * 1)(*self.strides)
+                self.mt = braid._DLManagedTensor()
+                t = self.mt.dl_tensor
+                t.data, t.ndim, t.byte_offset = self.host.ctypes.data, 1, self.offset
+                t.device.device_type, t.device.device_id = 2, 0
+                t.dtype.code, t.dtype.bits, t.dtype.lanes = self.code, self.bits, 1
+                t.shape = self.shape_c
+                t.strides = self.strides_c
+                self.deleter = braid._DLDeleter(lambda _: setattr(self, "deleted", self.deleted + 1))
+                self.mt.deleter = self.deleter
+                new = ctypes.pythonapi.PyCapsule_New
+                new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+                return new(ctypes.addressof(self.mt), b"dltensor", None)
+
+        raw = np.zeros(64, dtype=np.uint16)
+        bf = FakeDL(raw, 4, 16, offset=4)
+        a = braid._CudaArray(bf, "x", 0x77)
+        self.assertEqual((a.code, a.size, a.itemsize, a.ptr), (9, 64, 2, raw.ctypes.data + 4))
+        self.assertEqual(bf.streams, [0x77])
+        a.release()
+        a.release()
+        self.assertEqual(bf.deleted, 1)
+        self.assertTrue(braid._is_cuda(bf))
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            self.comm.all_reduce(bf, stream=0x99)  # routed to the device path: no device here
+        self.assertIn("has no device", str(e.exception))
+        self.assertEqual((bf.deleted, bf.streams[-1]), (2, 0x99))
+        with self.assertRaises(ValueError):
+            braid._CudaArray(FakeDL(raw, 2, 32, strides=(2,)), "x", 1)
+        with self.assertRaises(TypeError) as e:
+            braid._CudaArray(FakeDL(raw, 5, 16), "x", 1)  # complex: not reducible
+        self.assertIn("not one braid reduces", str(e.exception))
         # use_cuda_device: every rank at once; without a GPU it raises on every rank, and the
         # communicator keeps working.
         try:
