@@ -20,6 +20,7 @@ import ctypes
 import ctypes.util
 import operator
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +214,7 @@ _SIGNATURES = {
     "braid_comm_count": [_p, ctypes.POINTER(_i)],
     "braid_comm_rank": [_p, ctypes.POINTER(_i)],
     "braid_comm_use_cuda_device": [_p, _i],
+    "braid_comm_cuda_progress": [_p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64)],
     "braid_all_reduce": [_p, _p, _sz, _i, _i, _p, _p],
     "braid_reduce_scatter": [_p, _p, _sz, _i, _i, _p, _p],
     "braid_all_gather": [_p, _p, _sz, _i, _p, _p],
@@ -515,13 +517,10 @@ class _CudaCall:
             if self.x.code != self.out.code:
                 raise TypeError(f"braid: {what}: dtypes differ ({self.x.code} and {self.out.code} as braid_dtype)")
         except Exception:
-            self.__exit__()
+            self.release()
             raise
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
+    def release(self):
         self.x.release()
         if getattr(self, "out", None) is not None and self.out is not self.x:
             self.out.release()
@@ -754,10 +753,12 @@ class Communicator(_Closes):
         return self._h
 
     def close(self):
-        """Destroys the communicator (idempotent)."""
+        """Destroys the communicator (idempotent); queued CUDA collectives end first."""
         if self._h:
             h, self._h = self._h, None
             _check(_lib.braid_comm_destroy(h))
+            for _, call in self.__dict__.pop("_cuda_pending", []):
+                call.release()
 
     def abort(self):
         """Aborts from any thread: blocked and later collectives fail promptly, peers are told."""
@@ -805,6 +806,49 @@ class Communicator(_Closes):
         copies. Raises on every rank when any rank has no usable GPU; the communicator stays usable."""
         _check(_lib.braid_comm_use_cuda_device(self.handle, int(device)))
 
+    def _cuda_progress(self):
+        issued, completed = ctypes.c_uint64(), ctypes.c_uint64()
+        _check(_lib.braid_comm_cuda_progress(self.handle, ctypes.byref(issued), ctypes.byref(completed)))
+        return issued.value, completed.value
+
+    def _hold(self, call):
+        """Keeps a queued CUDA collective's arrays (and DLPack exports) until it has ended."""
+        issued, _ = self._cuda_progress()
+        pending = self.__dict__.setdefault("_cuda_pending", [])
+        pending.append((issued, call))
+        self._prune()
+        return call.out.obj
+
+    def _prune(self):
+        pending = self.__dict__.get("_cuda_pending")
+        if not pending or not self._h:
+            return
+        _, completed = self._cuda_progress()
+        keep = []
+        for seq, call in pending:
+            if seq <= completed:
+                call.release()
+            else:
+                keep.append((seq, call))
+        self._cuda_pending = keep
+
+    def cuda_synchronize(self, timeout=60.0):
+        """Waits until every collective issued with a CUDA stream has ended on the GPU (then their
+        arrays and DLPack exports are let go), or raises :class:`BraidTimeoutError` after ``timeout``
+        seconds; then raises the first error of a device collective, if any."""
+        deadline = time.monotonic() + timeout
+        while True:
+            issued, completed = self._cuda_progress()
+            if completed >= issued:
+                break
+            if time.monotonic() >= deadline:
+                raise BraidTimeoutError(f"braid: {issued - completed} CUDA collectives still running", 2)
+            time.sleep(0.0002)
+        self._prune()
+        rc = _i()
+        _check(_lib.braid_comm_get_async_error(self.handle, ctypes.byref(rc)))
+        _check(rc.value)
+
     def all_reduce(self, x, op="sum", out=None, stream=None):
         """Reduces ``x`` across ranks into ``out`` (default: ``x`` itself, in place); returns it.
 
@@ -812,12 +856,16 @@ class Communicator(_Closes):
         collective is ordered after the work queued on ``stream`` (default: the array's own stream, else
         the legacy default stream) and returns once it has finished on the GPU."""
         if _is_cuda(x) or _is_cuda(out):
-            with _CudaCall(x, out, "all_reduce", out is None, stream) as c:
+            c = _CudaCall(x, out, "all_reduce", out is None, stream)
+            try:
                 if c.out.size != c.x.size:
                     raise ValueError(f"braid: all_reduce: out has {c.out.size} elements, x {c.x.size}")
                 _check(_lib.braid_all_reduce(c.x.c_ptr(), c.out.c_ptr(), c.x.size, c.x.code, _op_code(op),
                                              self.handle, c.stream))
-                return c.out.obj
+            except BaseException:
+                c.release()
+                raise
+            return self._hold(c)
         _array(x, "x", writeable=out is None)
         out = x if out is None else _array(out, "out", writeable=True)
         _same_kind(x, out, "all_reduce")
@@ -835,13 +883,17 @@ class Communicator(_Closes):
         if _is_cuda(x) or _is_cuda(out):
             if out is None or in_place:
                 raise ValueError("braid: reduce_scatter: pass out (not in_place) for a CUDA array")
-            with _CudaCall(x, out, "reduce_scatter", False, stream) as c:
+            c = _CudaCall(x, out, "reduce_scatter", False, stream)
+            try:
                 if c.x.size % world or c.out.size != c.x.size // world:
                     raise ValueError(f"braid: reduce_scatter: x ({c.x.size}) must be {world} blocks of out's "
                                      f"{c.out.size} elements")
                 _check(_lib.braid_reduce_scatter(c.x.c_ptr(), c.out.c_ptr(), c.out.size, c.x.code, _op_code(op),
                                                  self.handle, c.stream))
-                return c.out.obj
+            except BaseException:
+                c.release()
+                raise
+            return self._hold(c)
         _array(x, "x", writeable=in_place)
         if x.size % world:
             raise ValueError(f"braid: reduce_scatter: {x.size} elements do not split into {world} blocks")
@@ -867,13 +919,17 @@ class Communicator(_Closes):
         if _is_cuda(x) or _is_cuda(out):
             if out is None:
                 raise ValueError("braid: all_gather: pass out for a CUDA array")
-            with _CudaCall(x, out, "all_gather", False, stream) as c:
+            c = _CudaCall(x, out, "all_gather", False, stream)
+            try:
                 if c.out.size != c.x.size * self.size:
                     raise ValueError(f"braid: all_gather: out must hold {c.x.size * self.size} elements, "
                                      f"has {c.out.size}")
                 _check(_lib.braid_all_gather(c.x.c_ptr(), c.out.c_ptr(), c.x.size, c.x.code, self.handle,
                                              c.stream))
-                return c.out.obj
+            except BaseException:
+                c.release()
+                raise
+            return self._hold(c)
         _array(x, "x")
         world = self.size
         if out is None:
@@ -902,12 +958,16 @@ class Communicator(_Closes):
         """``root``'s ``x`` into every rank's ``out`` (default: ``x`` itself, in place). CUDA arrays as in
         :meth:`all_reduce`."""
         if _is_cuda(x) or _is_cuda(out):
-            with _CudaCall(x, out, "broadcast", out is None, stream) as c:
+            c = _CudaCall(x, out, "broadcast", out is None, stream)
+            try:
                 if c.out.size != c.x.size:
                     raise ValueError(f"braid: broadcast: out has {c.out.size} elements, x {c.x.size}")
                 _check(_lib.braid_broadcast(c.x.c_ptr(), c.out.c_ptr(), c.out.size, c.x.code, int(root),
                                             self.handle, c.stream))
-                return c.out.obj
+            except BaseException:
+                c.release()
+                raise
+            return self._hold(c)
         _array(x, "x", writeable=out is None)
         out = x if out is None else _array(out, "out", writeable=True)
         _same_kind(x, out, "broadcast")

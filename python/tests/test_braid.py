@@ -224,6 +224,9 @@ class Collectives(unittest.TestCase):
         y = np.ones(4, dtype=np.int32)
         self.comm.all_reduce(y)
         self.assertTrue((y == self.world).all())
+        if not had_gpu:
+            self.assertEqual(self.comm._cuda_progress(), (0, 0))
+        self.comm.cuda_synchronize(timeout=5)
         if had_gpu:
             with self.assertRaises(braid.InvalidArgumentError) as e:
                 self.comm.all_reduce(Fake(x))  # host memory behind a CUDA array: refused, named

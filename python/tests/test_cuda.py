@@ -1,6 +1,7 @@
 """braid on PyTorch CUDA tensors, run as every rank of `braid run -n N` on a machine with a GPU (by
-scripts/gpu-check.sh): the collectives take the tensors without copies, ordered after the current
-stream's work, and every result is exact; host arrays still work beside them. Prints "rank R: cuda ok"; fails (exit 1) otherwise, and when
+scripts/gpu-check.sh): the collectives take the tensors without copies, ordered on the current stream
+(after the kernels that produced the input, before the ones that read the result, without the host
+waiting), bfloat16 through DLPack, and every result is exact; host arrays still work beside them. Prints "rank R: cuda ok"; fails (exit 1) otherwise, and when
 there is no GPU or no torch it says why and fails too, since it is only run where one is expected."""
 import os
 import sys
@@ -38,6 +39,12 @@ for n in (1, 1000, 1 << 20, (1 << 22) + 3):
     shard = torch.empty(n, device="cuda", dtype=torch.float64)
     comm.reduce_scatter(big, out=shard)
     assert bool((shard == world).all()), f"reduce_scatter of {n}"
+    g = torch.full((n,), 0.5 * (rank + 1), device="cuda", dtype=torch.bfloat16)
+    comm.all_reduce(g)  # bfloat16 tensors export only through DLPack
+    assert bool((g.float() == 0.5 * world * (world + 1) / 2).all()), f"bfloat16 all_reduce of {n}"
+comm.cuda_synchronize()
+issued, completed = comm._cuda_progress()
+assert issued == completed == 4 * 5, (issued, completed)
 # Host memory still works next to the device.
 h = np.ones(8, dtype=np.float32)
 comm.all_reduce(h)

@@ -609,18 +609,6 @@ enum braid_result braid_reduce(const void *sendbuf,
 enum braid_result braid_barrier(struct braid_comm *comm, void *stream);
 
 /**
- * Gives `comm` CUDA device `device` (-1: the local rank's, `BRAID_CUDA_DEVICE` overriding) for
- * collectives on device memory. Every rank calls it; when any rank cannot (no driver, no GPU, a device
- * without virtual memory management), every rank returns an error and the communicator stays usable
- * on the host. Calling it again on a communicator that has a device is `BRAID_INVALID_ARGUMENT`.
- *
- * # Safety
- * None beyond passing a handle value.
- */
-enum braid_result braid_comm_use_cuda_device(struct braid_comm *comm,
-                                             int device);
-
-/**
  * Makes the compression state for a float tensor of `len` elements. `codec_spec` is the configuration as
  * text, the grammar `BRAID_COMPRESS` and `braid compress-eval` use: a codec (`none`, `fp16`, `bf16`,
  * `int8`, `int8:BLOCK`, `sign`, `topk:DENSITY`, `randomk:DENSITY`, `powersgd:RANK`, ...) followed by
@@ -705,6 +693,30 @@ enum braid_result braid_all_reduce_compressed(float *grad,
                                               struct braid_compressor *compressor,
                                               struct braid_comm *comm,
                                               struct braid_compress_stats *out_stats);
+
+/**
+ * How many collectives with a CUDA stream the communicator has issued and how many have ended (on
+ * the GPU or in failure): a binding keeps the buffers of the ones between alive. Without a device both
+ * are 0.
+ *
+ * # Safety
+ * `issued` and `completed` are NULL or valid for writing a `uint64_t`.
+ */
+enum braid_result braid_comm_cuda_progress(struct braid_comm *comm,
+                                           uint64_t *issued,
+                                           uint64_t *completed);
+
+/**
+ * Gives `comm` CUDA device `device` (-1: the local rank's, `BRAID_CUDA_DEVICE` overriding) for
+ * collectives on device memory. Every rank calls it; when any rank cannot (no driver, no GPU, a device
+ * without virtual memory management), every rank returns an error and the communicator stays usable
+ * on the host. Calling it again on a communicator that has a device is `BRAID_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * None beyond passing a handle value.
+ */
+enum braid_result braid_comm_use_cuda_device(struct braid_comm *comm,
+                                             int device);
 
 /**
  * Queues an all-reduce of `count` elements from `sendbuf` into `recvbuf` (`sendbuf == recvbuf` is

@@ -228,12 +228,14 @@ pub unsafe extern "C" fn braid_all_reduce(
         let n = bytes_of(count, 1, dt, "count")?;
         let s = Region::new(sendbuf, n, "sendbuf")?;
         let r = Region::new(recvbuf, n, "recvbuf")?;
-        if let Some(d) = device::route(&c, comm, stream, &[(s, "sendbuf"), (r, "recvbuf")])? {
+        if let Some(d) = device::route(comm, stream, &[(s, "sendbuf"), (r, "recvbuf")])? {
             if !(n > 0 && s.ptr == r.ptr) {
                 apart(&s, &r, "sendbuf == recvbuf")?;
             }
-            // SAFETY: memory of the communicator's device (checked), the caller's for the call.
-            return unsafe { d.comm.all_reduce(d.span(&s), d.span(&r), count, dt, op) };
+            // SAFETY: memory of the communicator's device (checked), valid until the stream passes.
+            return unsafe {
+                d.enqueue(d.comm.all_reduce_op(d.span(&s), d.span(&r), count, dt, op))
+            };
         }
         if n > 0 && s.ptr == r.ptr {
             // SAFETY: the caller's buffer, exclusively ours for the call.
@@ -270,7 +272,7 @@ pub unsafe extern "C" fn braid_reduce_scatter(
         let total = bytes_of(recvcount, c.world_size(), dt, "recvcount")?;
         let s = Region::new(sendbuf, total, "sendbuf")?;
         let r = Region::new(recvbuf, n, "recvbuf")?;
-        if let Some(d) = device::route(&c, comm, stream, &[(s, "sendbuf"), (r, "recvbuf")])? {
+        if let Some(d) = device::route(comm, stream, &[(s, "sendbuf"), (r, "recvbuf")])? {
             if s.overlaps(&r) {
                 return Err(invalid(
                     "sendbuf and recvbuf overlap: an in-place reduce-scatter on device memory is not supported yet",
@@ -325,13 +327,15 @@ pub unsafe extern "C" fn braid_all_gather(
         let total = bytes_of(sendcount, c.world_size(), dt, "sendcount")?;
         let s = Region::new(sendbuf, n, "sendbuf")?;
         let r = Region::new(recvbuf, total, "recvbuf")?;
-        if let Some(d) = device::route(&c, comm, stream, &[(s, "sendbuf"), (r, "recvbuf")])? {
+        if let Some(d) = device::route(comm, stream, &[(s, "sendbuf"), (r, "recvbuf")])? {
             if !(n > 0 && s.at(0) == r.at(c.rank() * n)) {
                 apart(&s, &r, "sendbuf == recvbuf + rank · sendcount")?;
             }
-            // SAFETY: memory of the communicator's device (checked), the caller's for the call; in
+            // SAFETY: memory of the communicator's device (checked), valid until the stream passes; in
             // place the send block is this rank's block of the output.
-            return unsafe { d.comm.all_gather(d.span(&s), d.span(&r), sendcount, dt) };
+            return unsafe {
+                d.enqueue(d.comm.all_gather_op(d.span(&s), d.span(&r), sendcount, dt))
+            };
         }
         if n > 0 && s.at(0) == r.at(c.rank() * n) {
             if r.aligned_for(dt) {
@@ -383,7 +387,7 @@ pub unsafe extern "C" fn braid_broadcast(
             None
         };
         let bufs = [(s.unwrap_or(r), "sendbuf"), (r, "recvbuf")];
-        let routed = device::route(&c, comm, stream, &bufs[usize::from(s.is_none())..]);
+        let routed = device::route(comm, stream, &bufs[usize::from(s.is_none())..]);
         let routed = match s {
             Some(_) => routed.map_err(|e| c.one_sided(e))?,
             None => routed?,
@@ -399,8 +403,8 @@ pub unsafe extern "C" fn braid_broadcast(
                 // Off the root the send buffer is not read: the output stands in for it.
                 None => d.span(&r),
             };
-            // SAFETY: memory of the communicator's device (checked), the caller's for the call.
-            return unsafe { d.comm.broadcast(send, d.span(&r), count, dt, root) };
+            // SAFETY: memory of the communicator's device (checked), valid until the stream passes.
+            return unsafe { d.enqueue(d.comm.broadcast_op(send, d.span(&r), count, dt, root)) };
         }
         if c.rank() != root {
             // SAFETY: the caller's receive buffer, ours for the call.

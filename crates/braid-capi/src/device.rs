@@ -2,21 +2,25 @@
 //!
 //! `braid_comm_use_cuda_device` (collective) gives a communicator a device: its GPU's kernels, a
 //! high-priority engine stream, and the `ipc` transport's rings in GPU memory between the ranks of the
-//! host. From then on the blocking collectives take a CUDA stream (`cudaStream_t` as `void*`) with
-//! device pointers: the collective waits for the work queued on that stream so far (the kernels that
-//! produced the input), runs on the engine's stream, and returns when it has finished, so work queued
-//! on the caller's stream afterwards sees the result. A NULL stream keeps the host path for host memory.
+//! host. From then on the collectives take a CUDA stream (`cudaStream_t` as `void*`) with device
+//! pointers, and are ordered on it as NCCL's are: the call records an event on the caller's stream and
+//! queues the collective for the device communicator's worker, which starts it once that event has
+//! passed (the kernels that produced the input have finished); the call then makes the caller's stream
+//! wait (`cuStreamWaitValue32`, on the device) for a counter in mapped pinned memory that the worker
+//! sets when the collective has ended, and returns at once. The buffers must stay valid until the
+//! stream has passed that point. A failure is reported by `braid_comm_get_async_error` (the counter is
+//! set anyway, so the stream never waits forever). A NULL stream keeps the host path for host memory.
 //! Pointers are told apart by CUDA's pointer attributes: a host pointer with a CUDA stream, a device
 //! pointer with NULL, or memory of another device is an invalid argument that names the buffer.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use braid_cuda::{Event, Gpu, PointerKind, RestoreContext, Stream};
-use braid_rt::{Communicator, DeviceCommunicator, Error};
+use braid_cuda::{Event, Gpu, PinnedBuffer, PointerKind, RestoreContext, Stream};
+use braid_rt::{Communicator, DeviceCommunicator, DeviceGate, DeviceOp, DeviceSignal, Error};
 use braid_transport::{DeviceMemory, Span};
 use parking_lot::Mutex;
 
@@ -28,6 +32,86 @@ use crate::{braid_comm, braid_result, comm_of};
 pub(crate) struct Device {
     gpu: Gpu,
     pub(crate) comm: DeviceCommunicator,
+    /// The counter callers' streams wait on.
+    flag: Arc<Flag>,
+}
+
+/// A 32-bit counter in pinned memory mapped into the device: the worker sets it to a collective's
+/// number when that collective has ended, and a caller's stream waits for it to reach that number.
+struct Flag {
+    word: PinnedBuffer,
+    device_addr: u64,
+    issued: AtomicU64,
+    completed: AtomicU64,
+}
+
+impl Flag {
+    fn set(&self, seq: u64) {
+        // SAFETY: the buffer holds at least 4 bytes, 4-aligned (page-aligned allocation), alive while
+        // `self` is; the device reads it, the host writes it only here, atomically.
+        let word = unsafe { &*(self.word.as_ptr() as *const AtomicU32) };
+        word.store(seq as u32, Ordering::Release);
+        self.completed.store(seq, Ordering::Release);
+    }
+}
+
+/// Opens once an event recorded on the caller's stream has passed.
+struct EventGate(Event);
+
+impl DeviceGate for EventGate {
+    fn wait(&mut self, until: Instant) -> Result<(), Error> {
+        self.0.synchronize(until)
+    }
+}
+
+/// Sets the counter to the collective's number, whatever its result.
+struct FlagSignal {
+    flag: Arc<Flag>,
+    seq: u64,
+}
+
+impl DeviceSignal for FlagSignal {
+    fn fire(self: Box<Self>, _result: &Result<(), Error>) {
+        self.flag.set(self.seq);
+    }
+}
+
+/// The first error of `comm`'s device collectives, if any.
+pub(crate) fn async_error(comm: *mut braid_comm) -> Option<Error> {
+    device_of(comm).and_then(|d| d.comm.async_error())
+}
+
+/// How many collectives with a CUDA stream the communicator has issued and how many have ended (on
+/// the GPU or in failure): a binding keeps the buffers of the ones between alive. Without a device both
+/// are 0.
+///
+/// # Safety
+/// `issued` and `completed` are NULL or valid for writing a `uint64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn braid_comm_cuda_progress(
+    comm: *mut braid_comm,
+    issued: *mut u64,
+    completed: *mut u64,
+) -> braid_result {
+    guard("braid_comm_cuda_progress", || {
+        comm_of(comm)?;
+        let (i, c) = device_of(comm).map_or((0, 0), |d| {
+            (
+                d.flag.issued.load(Ordering::Acquire),
+                d.flag.completed.load(Ordering::Acquire),
+            )
+        });
+        // SAFETY: each is NULL or writable (the caller's contract).
+        unsafe {
+            if !issued.is_null() {
+                *issued = i;
+            }
+            if !completed.is_null() {
+                *completed = c;
+            }
+        }
+        Ok(())
+    })
 }
 
 /// The device of each communicator that has one, by handle.
@@ -84,10 +168,21 @@ pub unsafe extern "C" fn braid_comm_use_cuda_device(
         };
         let dev = c.device_from(made)?;
         let gpu = gpu.ok_or_else(|| Error::Internal("a device without its GPU".into()))?;
-        DEVICES
-            .lock()
-            .get_or_insert_with(HashMap::new)
-            .insert(comm as usize, Arc::new(Device { gpu, comm: dev }));
+        let word = PinnedBuffer::alloc_mapped(&gpu, 64)?;
+        let flag = Arc::new(Flag {
+            device_addr: word.device_addr()?,
+            word,
+            issued: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
+        });
+        DEVICES.lock().get_or_insert_with(HashMap::new).insert(
+            comm as usize,
+            Arc::new(Device {
+                gpu,
+                comm: dev,
+                flag,
+            }),
+        );
         ANY_DEVICE.store(true, Ordering::Release);
         Ok(())
     })
@@ -112,11 +207,40 @@ fn open(c: &Communicator, device: c_int) -> Result<Opened, Error> {
     Ok((gpu, Arc::new(memory), Box::new(engine)))
 }
 
-/// A collective routed to a communicator's device: the device, and the caller's CUDA context, restored
-/// when the call ends.
+/// A collective routed to a communicator's device: the device, the caller's stream, and the caller's
+/// CUDA context, restored when the call ends.
 pub(crate) struct DeviceCall {
     dev: Arc<Device>,
+    caller: Stream,
     _restore: Option<RestoreContext>,
+}
+
+impl DeviceCall {
+    /// Queues `op` ordered on the caller's stream (see the module docs) and returns at once.
+    ///
+    /// # Safety
+    /// The op's buffers stay valid device memory until the caller's stream has passed this point.
+    pub(crate) unsafe fn enqueue(&self, op: Result<DeviceOp, Error>) -> Result<(), Error> {
+        let op = op?;
+        let d = &self.dev;
+        let ready = Event::new(&d.gpu, false)?;
+        ready.record(&self.caller)?;
+        let seq = d.flag.issued.load(Ordering::Acquire) + 1;
+        let signal = FlagSignal {
+            flag: d.flag.clone(),
+            seq,
+        };
+        // SAFETY: the caller's contract keeps the buffers until the stream passes the wait below, which
+        // is after the signal fires.
+        unsafe {
+            d.comm
+                .enqueue(op, Box::new(EventGate(ready)), Box::new(signal))?
+        };
+        d.flag.issued.store(seq, Ordering::Release);
+        // SAFETY: the flag's mapped word lives as long as the device, which outlives the communicator's
+        // use of the stream (a destroyed communicator's worker finishes its queue first).
+        unsafe { self.caller.wait_value32(d.flag.device_addr, seq as u32) }
+    }
 }
 
 impl std::ops::Deref for DeviceCall {
@@ -126,11 +250,10 @@ impl std::ops::Deref for DeviceCall {
     }
 }
 
-/// Decides where a collective of `c` on `bufs` (region, argument name) runs, from `stream` and the
-/// buffers' pointer attributes: `None` on the host, or the communicator's device, in which case the
-/// work queued on the caller's stream so far has finished (waited for, bounded by the timeout).
+/// Decides where a collective of `comm` on `bufs` (region, argument name) runs, from `stream` and the
+/// buffers' pointer attributes: `None` on the host, or the communicator's device with the caller's
+/// stream.
 pub(crate) fn route(
-    c: &Communicator,
     comm: *mut braid_comm,
     stream: *mut c_void,
     bufs: &[(Region, &str)],
@@ -186,14 +309,11 @@ pub(crate) fn route(
             return Err(invalid(m));
         }
     }
-    // The input was produced by work on the caller's stream: wait for it (bounded).
     // SAFETY: the caller passes a stream of the device's primary context, alive during the call.
     let caller = unsafe { Stream::borrowed(&d.gpu, stream) };
-    let ready = Event::new(&d.gpu, false)?;
-    ready.record(&caller)?;
-    ready.synchronize(Instant::now() + c.config().timeout)?;
     Ok(Some(DeviceCall {
         dev: d,
+        caller,
         _restore: restore,
     }))
 }

@@ -501,7 +501,7 @@ pub unsafe extern "C" fn braid_comm_get_async_error(
     guard("braid_comm_get_async_error", || {
         let c = comm_of(comm)?;
         need_out(out, "out")?;
-        let code = match c.async_error() {
+        let code = match c.async_error().or_else(|| device::async_error(comm)) {
             None => braid_result::BRAID_SUCCESS,
             Some(e) => {
                 set_last_error(&e.to_string());

@@ -47,6 +47,7 @@ fn c_types(rust: &str) -> &'static [&'static str] {
         "usize" => &["size_t"],
         "*mutusize" => &["size_t*"],
         "u8" => &["unsigned char"],
+        "u32" => &["cuuint32_t"],
         "*mutf32" => &["float*"],
         "*mutc_void" => &["void*"],
         "*constc_void" => &["const void*"],

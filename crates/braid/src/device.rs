@@ -4,13 +4,23 @@
 //! `CudaEngine` on a GPU; braid-exec's `EmulatedDeviceEngine` over braid-transport's `EmulatedDevice`
 //! without one).
 //!
-//! The calls block the calling thread until the collective has finished on the device. Every rank of
-//! the communicator must be on one host for now (rings between hosts in device memory need RDMA into
-//! device memory or staging through the host, which come later).
+//! A collective is described and checked first ([`DeviceCommunicator::all_reduce_op`] and the others:
+//! no effect), then either run on the calling thread ([`DeviceCommunicator::run`], which returns once it
+//! has finished on the device) or queued ([`DeviceCommunicator::enqueue`]) for the communicator's worker
+//! thread, which runs queued collectives in issue order, each once its [`DeviceGate`] opens (the work
+//! that produces its input has finished: on a GPU, an event on the caller's stream), and tells its
+//! [`DeviceSignal`] when it has ended (on a GPU: a flag the caller's stream waits on), so the caller's
+//! thread does not wait for the GPU. Blocking and queued collectives keep one issue order. A failure makes
+//! the communicator unusable ([`DeviceCommunicator::async_error`]); later collectives fail at once and
+//! their signals still fire, so that nothing waits on them forever.
+//!
+//! Every rank of the communicator must be on one host for now (rings between hosts in device memory
+//! need RDMA into device memory or staging through the host, which come later).
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use braid_core::{DType, Error, ReduceOp};
 use braid_exec::{Engine, Settings};
@@ -31,20 +41,130 @@ pub type DeviceParts = (Arc<dyn DeviceMemory>, Box<dyn Engine>);
 /// The most bytes a transport's endpoint may take in the exchange.
 const ENDPOINT_MAX: usize = 1024;
 
+/// What a queued device collective waits for before it starts.
+pub trait DeviceGate: Send {
+    /// Returns once the collective's input is ready, or fails once `until` passes.
+    fn wait(&mut self, until: Instant) -> Result<(), Error>;
+}
+
+/// A gate that is always open.
+pub struct Ready;
+
+impl DeviceGate for Ready {
+    fn wait(&mut self, _until: Instant) -> Result<(), Error> {
+        Ok(())
+    }
+}
+
+/// Told once, when a queued device collective has ended (finished on the device, or failed).
+pub trait DeviceSignal: Send {
+    /// The collective's result.
+    fn fire(self: Box<Self>, result: &Result<(), Error>);
+}
+
+/// One device collective, described and checked (making one has no effect).
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceOp {
+    op: braid_exec::Op,
+}
+
 /// Collectives on device memory among the ranks of a [`Communicator`], one host.
 pub struct DeviceCommunicator {
     rank: usize,
     world: usize,
-    timeout: std::time::Duration,
     ordinal: u32,
     routes: Vec<&'static str>,
+    shared: Arc<Shared>,
+    worker: Mutex<Option<Worker>>,
+}
+
+struct Worker {
+    tx: mpsc::Sender<Task>,
+    handle: std::thread::JoinHandle<()>,
+}
+
+struct Task {
+    op: DeviceOp,
+    gate: Box<dyn DeviceGate>,
+    signal: Box<dyn DeviceSignal>,
+}
+
+/// What the caller's thread and the worker share.
+struct Shared {
+    rank: usize,
+    timeout: Duration,
     state: Mutex<State>,
+    /// The first failure; every later collective fails with it.
+    sticky: Mutex<Option<Error>>,
+    /// Collectives queued and not yet ended.
+    queued: AtomicUsize,
 }
 
 struct State {
     exec: braid_exec::Executor<dyn Engine>,
     tuner: Tuner,
     seq: u64,
+}
+
+impl Shared {
+    fn poisoned(&self) -> Option<Error> {
+        self.sticky.lock().as_ref().map(|first| Error::Poisoned {
+            rank: self.rank,
+            first: first.to_string(),
+        })
+    }
+
+    /// Runs `op` on this thread; a failure makes the communicator unusable.
+    fn run_now(&self, op: &DeviceOp) -> Result<(), Error> {
+        if let Some(e) = self.poisoned() {
+            return Err(e);
+        }
+        let mut state = self.state.lock();
+        let st = &mut *state;
+        let o = op.op;
+        let algo = st.tuner.pick_cached(o.collective, o.count * o.dtype.size());
+        let seq = st.seq;
+        let seqs = &mut st.seq;
+        let result = st
+            .exec
+            .run_op(o, algo, 0, seq, Instant::now(), || *seqs += 1);
+        if let Err(e) = &result {
+            // Kernels queued before the failure may still write the buffers: the caller gets them back
+            // only once they have finished (bounded).
+            if let Err(q) = st.exec.quiesce(Instant::now() + self.timeout) {
+                tracing::warn!("after a failed device collective: {q}");
+            }
+            if !e.is_invalid_argument() {
+                self.sticky.lock().get_or_insert_with(|| e.clone());
+            }
+        }
+        result
+    }
+
+    /// The worker's loop: queued collectives in issue order.
+    fn serve(&self, rx: mpsc::Receiver<Task>) {
+        for mut task in rx {
+            let result = match task.gate.wait(Instant::now() + self.timeout) {
+                Ok(()) => self.run_now(&task.op),
+                Err(e) => {
+                    // The input never became ready: the peers are left waiting, as with any failure.
+                    self.sticky.lock().get_or_insert_with(|| e.clone());
+                    Err(e)
+                }
+            };
+            task.signal.fire(&result);
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// A signal a blocking call waits on.
+struct Reply(mpsc::Sender<Result<(), Error>>);
+
+impl DeviceSignal for Reply {
+    fn fire(self: Box<Self>, result: &Result<(), Error>) {
+        let _ = self.0.send(result.clone());
+    }
 }
 
 impl Communicator {
@@ -190,14 +310,20 @@ impl Communicator {
         Ok(DeviceCommunicator {
             rank,
             world,
-            timeout: config.timeout,
             ordinal,
             routes,
-            state: Mutex::new(State {
-                exec,
-                tuner,
-                seq: 0,
+            shared: Arc::new(Shared {
+                rank,
+                timeout: config.timeout,
+                state: Mutex::new(State {
+                    exec,
+                    tuner,
+                    seq: 0,
+                }),
+                sticky: Mutex::new(None),
+                queued: AtomicUsize::new(0),
             }),
+            worker: Mutex::new(None),
         })
     }
 
@@ -271,8 +397,18 @@ impl DeviceCommunicator {
         Ok(())
     }
 
+    /// The first error that made this communicator unusable, if any.
+    pub fn async_error(&self) -> Option<Error> {
+        self.shared.sticky.lock().clone()
+    }
+
+    /// Collectives queued and not yet ended.
+    pub fn queued(&self) -> usize {
+        self.shared.queued.load(Ordering::Acquire)
+    }
+
     #[allow(clippy::too_many_arguments)]
-    fn run(
+    fn describe(
         &self,
         collective: Collective,
         root: usize,
@@ -283,7 +419,7 @@ impl DeviceCommunicator {
         recv: Span,
         send_bytes: usize,
         recv_bytes: usize,
-    ) -> Result<(), Error> {
+    ) -> Result<DeviceOp, Error> {
         if root >= self.world {
             return Err(Error::invalid(format!(
                 "root {root} is out of range for world size {}",
@@ -292,30 +428,17 @@ impl DeviceCommunicator {
         }
         self.check("the send buffer", &send, send_bytes)?;
         self.check("the receive buffer", &recv, recv_bytes)?;
-        let mut state = self.state.lock();
-        let st = &mut *state;
-        let algo = st.tuner.pick_cached(collective, count * dtype.size());
-        let seq = st.seq;
-        let op = braid_exec::Op {
-            collective,
-            root,
-            dtype,
-            redop,
-            count,
-            send,
-            recv,
-        };
-        let seqs = &mut st.seq;
-        let started = Instant::now();
-        let result = st.exec.run_op(op, algo, 0, seq, started, || *seqs += 1);
-        if result.is_err() {
-            // Kernels queued before the failure may still write the buffers: the caller gets them back
-            // only once they have finished (bounded).
-            if let Err(e) = st.exec.quiesce(Instant::now() + self.timeout) {
-                tracing::warn!("after a failed device collective: {e}");
-            }
-        }
-        result
+        Ok(DeviceOp {
+            op: braid_exec::Op {
+                collective,
+                root,
+                dtype,
+                redop,
+                count,
+                send,
+                recv,
+            },
+        })
     }
 
     fn elems(count: usize, times: usize, dtype: DType) -> Result<usize, Error> {
@@ -325,41 +448,34 @@ impl DeviceCommunicator {
             .ok_or_else(|| Error::invalid(format!("{count} × {times} elements overflow")))
     }
 
-    /// All-reduce of `count` elements of `dtype` from `send` into `recv` (both of this device; in place
-    /// when equal).
-    ///
-    /// # Safety
-    /// Both spans must be valid device memory for the collective until it returns, untouched by anyone
-    /// else meanwhile (nothing queued on the device that reads or writes them may still be running).
-    pub unsafe fn all_reduce(
+    /// An all-reduce of `count` elements of `dtype` from `send` into `recv` (both of this device; in
+    /// place when equal), checked.
+    pub fn all_reduce_op(
         &self,
         send: Span,
         recv: Span,
         count: usize,
         dtype: DType,
         op: ReduceOp,
-    ) -> Result<(), Error> {
+    ) -> Result<DeviceOp, Error> {
         let b = Self::elems(count, 1, dtype)?;
-        self.run(Collective::AllReduce, 0, dtype, op, count, send, recv, b, b)
+        self.describe(Collective::AllReduce, 0, dtype, op, count, send, recv, b, b)
     }
 
-    /// Reduce-scatter: `send` holds `world × count` elements, `recv` receives this rank's `count`.
-    ///
-    /// # Safety
-    /// As [`DeviceCommunicator::all_reduce`].
-    pub unsafe fn reduce_scatter(
+    /// A reduce-scatter: `send` holds `world × count` elements, `recv` receives this rank's `count`.
+    pub fn reduce_scatter_op(
         &self,
         send: Span,
         recv: Span,
         count: usize,
         dtype: DType,
         op: ReduceOp,
-    ) -> Result<(), Error> {
+    ) -> Result<DeviceOp, Error> {
         let (s, r) = (
             Self::elems(count, self.world, dtype)?,
             Self::elems(count, 1, dtype)?,
         );
-        self.run(
+        self.describe(
             Collective::ReduceScatter,
             0,
             dtype,
@@ -372,23 +488,20 @@ impl DeviceCommunicator {
         )
     }
 
-    /// All-gather: every rank's `count` elements of `send` land in `recv` (`world × count`) in rank
+    /// An all-gather: every rank's `count` elements of `send` land in `recv` (`world × count`) in rank
     /// order.
-    ///
-    /// # Safety
-    /// As [`DeviceCommunicator::all_reduce`].
-    pub unsafe fn all_gather(
+    pub fn all_gather_op(
         &self,
         send: Span,
         recv: Span,
         count: usize,
         dtype: DType,
-    ) -> Result<(), Error> {
+    ) -> Result<DeviceOp, Error> {
         let (s, r) = (
             Self::elems(count, 1, dtype)?,
             Self::elems(count, self.world, dtype)?,
         );
-        self.run(
+        self.describe(
             Collective::AllGather,
             0,
             dtype,
@@ -401,20 +514,17 @@ impl DeviceCommunicator {
         )
     }
 
-    /// Broadcast of `count` elements from `root`'s `send` into every rank's `recv`.
-    ///
-    /// # Safety
-    /// As [`DeviceCommunicator::all_reduce`].
-    pub unsafe fn broadcast(
+    /// A broadcast of `count` elements from `root`'s `send` into every rank's `recv`.
+    pub fn broadcast_op(
         &self,
         send: Span,
         recv: Span,
         count: usize,
         dtype: DType,
         root: usize,
-    ) -> Result<(), Error> {
+    ) -> Result<DeviceOp, Error> {
         let b = Self::elems(count, 1, dtype)?;
-        self.run(
+        self.describe(
             Collective::Broadcast,
             root,
             dtype,
@@ -425,5 +535,145 @@ impl DeviceCommunicator {
             b,
             b,
         )
+    }
+
+    /// Runs `op` and returns once it has finished on the device, after every collective queued before it.
+    ///
+    /// # Safety
+    /// The op's spans must be valid device memory until it returns, untouched by anyone else meanwhile
+    /// (nothing on the device that reads or writes them may still be running).
+    pub unsafe fn run(&self, op: DeviceOp) -> Result<(), Error> {
+        if self.queued() == 0 {
+            return self.shared.run_now(&op);
+        }
+        // Behind queued collectives: in the queue, and wait for it.
+        let (tx, rx) = mpsc::channel();
+        // SAFETY: the caller's contract covers the spans until this returns, which is after the op ends.
+        unsafe { self.enqueue(op, Box::new(Ready), Box::new(Reply(tx)))? };
+        let limit = self.shared.timeout * 2 + Duration::from_secs(10);
+        rx.recv_timeout(limit).unwrap_or_else(|_| {
+            Err(Error::Internal(format!(
+                "a queued device collective did not end within {} s",
+                limit.as_secs()
+            )))
+        })
+    }
+
+    /// Queues `op` for the worker thread and returns at once: it starts once `gate` opens and every
+    /// collective issued before it has ended, and `signal` fires when it ends. When this returns an
+    /// error (the communicator is unusable, or the worker could not be started), nothing was queued and
+    /// `signal` does not fire.
+    ///
+    /// # Safety
+    /// The op's spans must stay valid device memory, untouched by anyone else, until `signal` fires.
+    pub unsafe fn enqueue(
+        &self,
+        op: DeviceOp,
+        gate: Box<dyn DeviceGate>,
+        signal: Box<dyn DeviceSignal>,
+    ) -> Result<(), Error> {
+        if let Some(e) = self.shared.poisoned() {
+            return Err(e);
+        }
+        let mut worker = self.worker.lock();
+        if worker.is_none() {
+            let (tx, rx) = mpsc::channel::<Task>();
+            let shared = self.shared.clone();
+            let handle = std::thread::Builder::new()
+                .name(format!("braid-device-{}", self.rank))
+                .spawn(move || shared.serve(rx))
+                .map_err(|e| Error::io("starting the device communicator's worker thread", e))?;
+            *worker = Some(Worker { tx, handle });
+        }
+        let w = worker.as_ref().expect("just set");
+        self.shared.queued.fetch_add(1, Ordering::AcqRel);
+        if let Err(mpsc::SendError(task)) = w.tx.send(Task { op, gate, signal }) {
+            self.shared.queued.fetch_sub(1, Ordering::AcqRel);
+            drop(task);
+            return Err(Error::Internal(
+                "the device communicator's worker thread has stopped".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// All-reduce of `count` elements of `dtype` from `send` into `recv` (both of this device; in place
+    /// when equal): [`DeviceCommunicator::all_reduce_op`], then [`DeviceCommunicator::run`].
+    ///
+    /// # Safety
+    /// As [`DeviceCommunicator::run`].
+    pub unsafe fn all_reduce(
+        &self,
+        send: Span,
+        recv: Span,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        let op = self.all_reduce_op(send, recv, count, dtype, op)?;
+        // SAFETY: the caller's contract.
+        unsafe { self.run(op) }
+    }
+
+    /// Reduce-scatter ([`DeviceCommunicator::reduce_scatter_op`], then run).
+    ///
+    /// # Safety
+    /// As [`DeviceCommunicator::run`].
+    pub unsafe fn reduce_scatter(
+        &self,
+        send: Span,
+        recv: Span,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        let op = self.reduce_scatter_op(send, recv, count, dtype, op)?;
+        // SAFETY: the caller's contract.
+        unsafe { self.run(op) }
+    }
+
+    /// All-gather ([`DeviceCommunicator::all_gather_op`], then run).
+    ///
+    /// # Safety
+    /// As [`DeviceCommunicator::run`].
+    pub unsafe fn all_gather(
+        &self,
+        send: Span,
+        recv: Span,
+        count: usize,
+        dtype: DType,
+    ) -> Result<(), Error> {
+        let op = self.all_gather_op(send, recv, count, dtype)?;
+        // SAFETY: the caller's contract.
+        unsafe { self.run(op) }
+    }
+
+    /// Broadcast ([`DeviceCommunicator::broadcast_op`], then run).
+    ///
+    /// # Safety
+    /// As [`DeviceCommunicator::run`].
+    pub unsafe fn broadcast(
+        &self,
+        send: Span,
+        recv: Span,
+        count: usize,
+        dtype: DType,
+        root: usize,
+    ) -> Result<(), Error> {
+        let op = self.broadcast_op(send, recv, count, dtype, root)?;
+        // SAFETY: the caller's contract.
+        unsafe { self.run(op) }
+    }
+}
+
+impl Drop for DeviceCommunicator {
+    fn drop(&mut self) {
+        // The queued collectives end first (each bounded by the timeout), so no signal is lost.
+        if let Some(w) = self.worker.get_mut().take() {
+            drop(w.tx);
+            if w.handle.join().is_err() {
+                tracing::warn!("the device communicator's worker thread panicked");
+            }
+        }
     }
 }

@@ -40,7 +40,7 @@ pub use compressed::{
     AdamSafe, AdamSend, ClipScope, CodecSpec, CompressedPath, CompressedReport, CompressionConfig,
     DensityWarmup, GradientCompressor, Output, SparsePath,
 };
-pub use device::{DeviceCommunicator, DeviceParts};
+pub use device::{DeviceCommunicator, DeviceGate, DeviceOp, DeviceParts, DeviceSignal, Ready};
 pub use id::UniqueId;
 pub use job::JobEnv;
 pub use recorder::FlightRecord;

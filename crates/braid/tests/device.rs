@@ -290,3 +290,161 @@ fn a_rank_that_cannot_open_its_device_fails_the_call_on_every_rank() {
         assert!(e.contains("opening the device: another rank failed"), "{e}");
     }
 }
+
+struct FlagGate(Arc<std::sync::atomic::AtomicBool>);
+
+impl braid::DeviceGate for FlagGate {
+    fn wait(&mut self, until: std::time::Instant) -> Result<(), braid::Error> {
+        while !self.0.load(std::sync::atomic::Ordering::Acquire) {
+            if std::time::Instant::now() >= until {
+                return Err(braid::Error::invalid("the gate never opened"));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+}
+
+struct Record(Arc<std::sync::Mutex<Vec<(usize, bool)>>>, usize);
+
+impl braid::DeviceSignal for Record {
+    fn fire(self: Box<Self>, result: &Result<(), braid::Error>) {
+        self.0.lock().unwrap().push((self.1, result.is_ok()));
+    }
+}
+
+#[test]
+fn queued_device_collectives_keep_issue_order_wait_for_their_gate_and_signal_when_done() {
+    with_ranks(
+        3,
+        |_| config(),
+        |c| {
+            let dev = device(&c, 3);
+            let mem = EmulatedDevice::new(0);
+            let world = c.world_size() as u32;
+            let rank = c.rank() as u32;
+            let count = 20_000;
+            let bufs: Vec<Buf> = (0..3).map(|_| Buf::new(&mem, count * 4)).collect();
+            let mut bufs = bufs;
+            for (i, b) in bufs.iter_mut().enumerate() {
+                let v: Vec<u8> = (0..count as u32)
+                    .flat_map(|e| (e + rank * 7 + i as u32).to_le_bytes())
+                    .collect();
+                b.bytes().copy_from_slice(&v);
+            }
+            let open = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let fired = Arc::new(std::sync::Mutex::new(Vec::new()));
+            for (i, b) in bufs.iter().enumerate() {
+                let op = dev
+                    .all_reduce_op(b.span(), b.span(), count, DType::U32, ReduceOp::Sum)
+                    .unwrap();
+                let gate: Box<dyn braid::DeviceGate> = if i == 0 {
+                    Box::new(FlagGate(open.clone()))
+                } else {
+                    Box::new(braid::Ready)
+                };
+                // SAFETY: the buffers live until every signal has fired (waited for below).
+                unsafe { dev.enqueue(op, gate, Box::new(Record(fired.clone(), i))) }.unwrap();
+            }
+            // The first waits for its gate, and the others wait behind it: nothing has run yet.
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(
+                fired.lock().unwrap().is_empty(),
+                "a collective ran before its gate opened"
+            );
+            assert_eq!(dev.queued(), 3);
+            open.store(true, std::sync::atomic::Ordering::Release);
+            // A blocking collective issued now runs after the three queued ones.
+            let mut x = Buf::new(&mem, 4);
+            x.bytes().copy_from_slice(&1u32.to_le_bytes());
+            // SAFETY: `x` lives through the call.
+            unsafe { dev.all_reduce(x.span(), x.span(), 1, DType::U32, ReduceOp::Sum) }.unwrap();
+            assert_eq!(x.bytes(), &world.to_le_bytes());
+            assert_eq!(
+                *fired.lock().unwrap(),
+                vec![(0, true), (1, true), (2, true)]
+            );
+            assert_eq!(dev.queued(), 0);
+            let sum_r: u32 = (0..world).map(|r| r * 7).sum();
+            for (i, b) in bufs.iter_mut().enumerate() {
+                let got = b.bytes();
+                for e in [0usize, 1, count / 2, count - 1] {
+                    let v = u32::from_le_bytes(got[e * 4..e * 4 + 4].try_into().unwrap());
+                    assert_eq!(
+                        v,
+                        world * (e as u32 + i as u32) + sum_r,
+                        "op {i} element {e}"
+                    );
+                }
+            }
+            assert!(dev.async_error().is_none());
+        },
+    );
+}
+
+#[test]
+fn a_failed_queued_collective_still_signals_and_every_later_one_fails_at_once() {
+    let cfg = || Config {
+        timeout: Duration::from_millis(500),
+        ..config()
+    };
+    with_ranks(
+        2,
+        move |_| cfg(),
+        |c| {
+            let dev = device(&c, 0);
+            let mem = EmulatedDevice::new(0);
+            let b = Buf::new(&mem, 64);
+            let fired = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let never = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let op = dev
+                .all_reduce_op(b.span(), b.span(), 16, DType::F32, ReduceOp::Sum)
+                .unwrap();
+            // SAFETY: `b` lives until the signal has fired (waited for below).
+            unsafe {
+                dev.enqueue(
+                    op,
+                    Box::new(FlagGate(never)),
+                    Box::new(Record(fired.clone(), 0)),
+                )
+            }
+            .unwrap();
+            let t = std::time::Instant::now();
+            while fired.lock().unwrap().is_empty() {
+                assert!(
+                    t.elapsed() < Duration::from_secs(20),
+                    "the signal never fired"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            assert_eq!(*fired.lock().unwrap(), vec![(0, false)]);
+            let first = dev.async_error().expect("the failure is sticky");
+            assert!(
+                first.to_string().contains("the gate never opened"),
+                "{first}"
+            );
+            // SAFETY: refused before anything runs.
+            let e = unsafe {
+                dev.enqueue(
+                    op,
+                    Box::new(braid::Ready),
+                    Box::new(Record(fired.clone(), 1)),
+                )
+            }
+            .unwrap_err();
+            assert!(matches!(e, braid::Error::Poisoned { .. }), "{e}");
+            // SAFETY: refused before anything runs.
+            let e = unsafe { dev.run(op) }.unwrap_err();
+            assert!(e.to_string().contains("the gate never opened"), "{e}");
+            assert_eq!(
+                fired.lock().unwrap().len(),
+                1,
+                "a refused collective fired its signal"
+            );
+            // The host communicator is untouched.
+            let mut y = [1u8];
+            c.all_reduce_in_place(&mut y, ReduceOp::Sum).unwrap();
+            assert_eq!(y[0], 2);
+        },
+    );
+}

@@ -67,6 +67,10 @@ pub const MEMORYTYPE_UNIFIED: c_uint = 4;
 
 /// `CU_MEMHOSTALLOC_PORTABLE`: pinned memory usable from every context.
 pub const MEMHOSTALLOC_PORTABLE: c_uint = 1;
+/// `CU_MEMHOSTALLOC_DEVICEMAP`: pinned memory mapped into the device's address space.
+pub const MEMHOSTALLOC_DEVICEMAP: c_uint = 2;
+/// `CU_STREAM_WAIT_VALUE_GEQ`: wait until `(int32_t)(*addr - value) >= 0`.
+pub const STREAM_WAIT_VALUE_GEQ: c_uint = 0;
 /// `CU_MEMHOSTREGISTER_PORTABLE`.
 pub const MEMHOSTREGISTER_PORTABLE: c_uint = 1;
 /// `CU_STREAM_NON_BLOCKING`: no implicit synchronisation with the legacy default stream.
@@ -331,6 +335,12 @@ driver_api! {
     mem_free = ["cuMemFree_v2"] fn(CuDevicePtr) as "CUdeviceptr";
     /// `cuMemHostAlloc`.
     mem_host_alloc = ["cuMemHostAlloc"] fn(*mut *mut c_void, usize, c_uint) as "void**, size_t, unsigned int";
+    /// `cuMemHostGetDevicePointer`.
+    mem_host_get_device_pointer = ["cuMemHostGetDevicePointer_v2"] fn(*mut CuDevicePtr, *mut c_void, c_uint)
+        as "CUdeviceptr*, void*, unsigned int";
+    /// `cuStreamWaitValue32`.
+    stream_wait_value32 = ["cuStreamWaitValue32_v2"] fn(Handle, CuDevicePtr, u32, c_uint)
+        as "CUstream, CUdeviceptr, cuuint32_t, unsigned int";
     /// `cuMemFreeHost`.
     mem_free_host = ["cuMemFreeHost"] fn(*mut c_void) as "void*";
     /// `cuMemHostRegister`.

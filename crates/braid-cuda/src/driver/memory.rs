@@ -174,12 +174,26 @@ unsafe impl Sync for PinnedBuffer {}
 impl PinnedBuffer {
     /// `len` zeroed bytes of pinned host memory.
     pub fn alloc(gpu: &Gpu, len: usize) -> Result<PinnedBuffer, Error> {
+        PinnedBuffer::alloc_with(gpu, len, api::MEMHOSTALLOC_PORTABLE)
+    }
+
+    /// `len` zeroed bytes of pinned host memory that is also mapped into the device's address space
+    /// ([`PinnedBuffer::device_addr`]): what stream memory operations wait on.
+    pub fn alloc_mapped(gpu: &Gpu, len: usize) -> Result<PinnedBuffer, Error> {
+        PinnedBuffer::alloc_with(
+            gpu,
+            len,
+            api::MEMHOSTALLOC_PORTABLE | api::MEMHOSTALLOC_DEVICEMAP,
+        )
+    }
+
+    fn alloc_with(gpu: &Gpu, len: usize, flags: std::ffi::c_uint) -> Result<PinnedBuffer, Error> {
         let mut ptr: *mut c_void = std::ptr::NonNull::<u8>::dangling().as_ptr().cast();
         if len > 0 {
             gpu.bind()?;
             let api = gpu.api();
             // SAFETY: valid out-pointer; the context is current.
-            let r = unsafe { (api.mem_host_alloc)(&mut ptr, len, api::MEMHOSTALLOC_PORTABLE) };
+            let r = unsafe { (api.mem_host_alloc)(&mut ptr, len, flags) };
             check(api, r, || format!("cuMemHostAlloc of {len} bytes"))?;
             // SAFETY: the driver returned `len` writable bytes at `ptr`.
             unsafe { std::ptr::write_bytes(ptr as *mut u8, 0, len) };
@@ -189,6 +203,25 @@ impl PinnedBuffer {
             ptr: ptr as *mut u8,
             len,
         })
+    }
+
+    /// The device address of a buffer from [`PinnedBuffer::alloc_mapped`].
+    pub fn device_addr(&self) -> Result<u64, Error> {
+        if self.len == 0 {
+            return Ok(0);
+        }
+        self.gpu.bind()?;
+        let api = self.gpu.api();
+        let mut addr: CuDevicePtr = 0;
+        // SAFETY: valid out-pointer; a pointer this buffer allocated; flags must be 0.
+        let r = unsafe { (api.mem_host_get_device_pointer)(&mut addr, self.ptr.cast(), 0) };
+        check(api, r, || "cuMemHostGetDevicePointer".into())?;
+        Ok(addr)
+    }
+
+    /// The host address of the first byte.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
     }
 
     /// The bytes.

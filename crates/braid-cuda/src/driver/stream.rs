@@ -108,6 +108,20 @@ impl Stream {
         check(api, r, || "cuStreamWaitEvent".into())
     }
 
+    /// Makes later work on this stream wait, on the device, until the 32-bit word at device address
+    /// `addr` reaches `value` (`(int32_t)(*addr - value) >= 0`, so the count may wrap).
+    ///
+    /// # Safety
+    /// `addr` must stay a valid device-mapped word until the wait has passed.
+    pub unsafe fn wait_value32(&self, addr: u64, value: u32) -> Result<(), Error> {
+        self.gpu.bind()?;
+        let api = self.gpu.api();
+        // SAFETY: the caller's contract for `addr`; a live stream.
+        let r =
+            unsafe { (api.stream_wait_value32)(self.raw, addr, value, api::STREAM_WAIT_VALUE_GEQ) };
+        check(api, r, || "cuStreamWaitValue32".into())
+    }
+
     /// Queues `len` bytes from `src` to `dst` (device or pinned host addresses under unified
     /// addressing).
     ///
