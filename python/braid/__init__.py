@@ -977,9 +977,20 @@ class Communicator(_Closes):
                                     self.handle, None))
         return out
 
-    def reduce(self, x, op="sum", root=0, out=None):
+    def reduce(self, x, op="sum", root=0, out=None, stream=None):
         """Reduces ``x`` across ranks into ``root``'s ``out`` (default: ``x``, in place); other ranks'
-        ``out`` is left alone."""
+        ``out`` is left alone. CUDA arrays as in :meth:`all_reduce`."""
+        if _is_cuda(x) or _is_cuda(out):
+            c = _CudaCall(x, out, "reduce", out is None, stream)
+            try:
+                if c.out.size != c.x.size:
+                    raise ValueError(f"braid: reduce: out has {c.out.size} elements, x {c.x.size}")
+                _check(_lib.braid_reduce(c.x.c_ptr(), c.out.c_ptr(), c.x.size, c.x.code, _op_code(op), int(root),
+                                         self.handle, c.stream))
+            except BaseException:
+                c.release()
+                raise
+            return self._hold(c)
         _array(x, "x", writeable=out is None)
         out = x if out is None else _array(out, "out", writeable=True)
         _same_kind(x, out, "reduce")
@@ -989,8 +1000,10 @@ class Communicator(_Closes):
                                  self.handle, None))
         return out
 
-    def barrier(self):
-        _check(_lib.braid_barrier(self.handle, None))
+    def barrier(self, stream=None):
+        """Returns when every rank has called it; with a CUDA ``stream`` (after :meth:`use_cuda_device`),
+        orders that stream's later work after every rank's barrier instead, and returns at once."""
+        _check(_lib.braid_barrier(self.handle, None if stream is None else _cuda_stream(stream)))
 
     def all_reduce_compressed(self, grad, compressor, op="avg"):
         """All-reduces the float32 gradient ``grad`` in place, compressed as ``compressor`` says; returns

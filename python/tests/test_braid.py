@@ -149,6 +149,11 @@ class Collectives(unittest.TestCase):
         self.assertIn("has no device (call braid_comm_use_cuda_device first", str(e.exception))
         with self.assertRaises(braid.InvalidArgumentError):
             self.comm.all_gather(Fake(x), out=Fake(np.zeros(12 * self.world, dtype=np.float32)), stream=7)
+        with self.assertRaises(braid.InvalidArgumentError):
+            self.comm.reduce(Fake(x), root=0)
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            self.comm.barrier(stream=7)
+        self.assertIn("has no device", str(e.exception))
         with self.assertRaises(ValueError) as e:
             self.comm.all_reduce(Fake(np.zeros((3, 4), dtype=np.float32), strides=(4, 12)))
         self.assertIn("C-contiguous", str(e.exception))

@@ -39,12 +39,17 @@ for n in (1, 1000, 1 << 20, (1 << 22) + 3):
     shard = torch.empty(n, device="cuda", dtype=torch.float64)
     comm.reduce_scatter(big, out=shard)
     assert bool((shard == world).all()), f"reduce_scatter of {n}"
+    r = torch.full((n,), rank + 1, device="cuda", dtype=torch.int64)
+    comm.reduce(r, root=world - 1)
+    if rank == world - 1:
+        assert bool((r == world * (world + 1) // 2).all()), f"reduce of {n}"
+    comm.barrier(stream=torch.cuda.current_stream())
     g = torch.full((n,), 0.5 * (rank + 1), device="cuda", dtype=torch.bfloat16)
     comm.all_reduce(g)  # bfloat16 tensors export only through DLPack
     assert bool((g.float() == 0.5 * world * (world + 1) / 2).all()), f"bfloat16 all_reduce of {n}"
 comm.cuda_synchronize()
 issued, completed = comm._cuda_progress()
-assert issued == completed == 4 * 5, (issued, completed)
+assert issued == completed == 4 * 7, (issued, completed)
 # Host memory still works next to the device.
 h = np.ones(8, dtype=np.float32)
 comm.all_reduce(h)

@@ -386,15 +386,11 @@ pub unsafe extern "C" fn braid_broadcast(
         } else {
             None
         };
-        let bufs = [(s.unwrap_or(r), "sendbuf"), (r, "recvbuf")];
-        let routed = device::route(comm, stream, &bufs[usize::from(s.is_none())..]);
-        let routed = match s {
-            Some(_) => routed.map_err(|e| c.one_sided(e))?,
-            None => routed?,
-        };
-        if let Some(d) = routed {
+        // The stream and recvbuf are every rank's; an error in the root's sendbuf is the root's alone.
+        if let Some(d) = device::route(comm, stream, &[(r, "recvbuf")])? {
             let send = match s {
                 Some(s) => {
+                    d.check(&s, "sendbuf").map_err(|e| c.one_sided(e))?;
                     if !(n > 0 && s.ptr == r.ptr) {
                         apart(&s, &r, "sendbuf == recvbuf").map_err(|e| c.one_sided(e))?;
                     }
@@ -405,6 +401,10 @@ pub unsafe extern "C" fn braid_broadcast(
             };
             // SAFETY: memory of the communicator's device (checked), valid until the stream passes.
             return unsafe { d.enqueue(d.comm.broadcast_op(send, d.span(&r), count, dt, root)) };
+        }
+        if let Some(s) = s {
+            // The host stream: the root's sendbuf must not be device memory either.
+            device::route(comm, stream, &[(s, "sendbuf")]).map_err(|e| c.one_sided(e))?;
         }
         if c.rank() != root {
             // SAFETY: the caller's receive buffer, ours for the call.
@@ -449,18 +449,41 @@ pub unsafe extern "C" fn braid_reduce(
     stream: *mut c_void,
 ) -> braid_result {
     guard("braid_reduce", || {
-        let c = checked_comm(comm, stream)?;
+        let c = comm_of(comm)?;
         let dt = dtype_of(dtype)?;
         let op = redop_of(op)?;
         let root = root_of(root, &c)?;
         let n = bytes_of(count, 1, dt, "count")?;
         let s = Region::new(sendbuf, n, "sendbuf")?;
-        if c.rank() != root {
+        // Only the root passes a receive buffer: an error in it is one its peers cannot see.
+        let r = if c.rank() == root {
+            Some(Region::new(recvbuf, n, "recvbuf").map_err(|e| c.one_sided(e))?)
+        } else {
+            None
+        };
+        // The stream and sendbuf are every rank's; an error in the root's recvbuf is the root's alone.
+        if let Some(d) = device::route(comm, stream, &[(s, "sendbuf")])? {
+            let recv = match r {
+                Some(r) => {
+                    d.check(&r, "recvbuf").map_err(|e| c.one_sided(e))?;
+                    if !(n > 0 && s.ptr == r.ptr) {
+                        apart(&s, &r, "sendbuf == recvbuf").map_err(|e| c.one_sided(e))?;
+                    }
+                    d.span(&r)
+                }
+                None => d.span(&s),
+            };
+            // SAFETY: memory of the communicator's device (checked), valid until the stream passes.
+            return unsafe { d.enqueue(d.comm.reduce_op(d.span(&s), recv, count, dt, op, root)) };
+        }
+        if let Some(r) = r {
+            // The host stream: the root's recvbuf must not be device memory either.
+            device::route(comm, stream, &[(r, "recvbuf")]).map_err(|e| c.one_sided(e))?;
+        }
+        let Some(r) = r else {
             // SAFETY: the caller's send buffer, only read.
             return c.reduce_bytes(unsafe { s.bytes() }, &mut [], dt, op, root);
-        }
-        // Only the root passes a receive buffer: an error in it is one its peers cannot see.
-        let r = Region::new(recvbuf, n, "recvbuf").map_err(|e| c.one_sided(e))?;
+        };
         if n > 0 && s.ptr == r.ptr {
             if r.aligned_for(dt) {
                 return with_type!(dt, |T| {
@@ -487,7 +510,14 @@ pub unsafe extern "C" fn braid_reduce(
 /// None beyond passing a handle value.
 #[no_mangle]
 pub unsafe extern "C" fn braid_barrier(comm: *mut braid_comm, stream: *mut c_void) -> braid_result {
-    guard("braid_barrier", || checked_comm(comm, stream)?.barrier())
+    guard("braid_barrier", || {
+        let c = comm_of(comm)?;
+        if let Some(d) = device::route(comm, stream, &[])? {
+            // SAFETY: a barrier touches no memory.
+            return unsafe { d.enqueue(d.comm.barrier_op()) };
+        }
+        c.barrier()
+    })
 }
 
 #[cfg(test)]

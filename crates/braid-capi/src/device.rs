@@ -216,6 +216,11 @@ pub(crate) struct DeviceCall {
 }
 
 impl DeviceCall {
+    /// Checks a buffer only some ranks pass (the root's) as `route` checks the others.
+    pub(crate) fn check(&self, r: &Region, arg: &str) -> Result<(), Error> {
+        check_kind(self.dev.gpu.ordinal(), r, arg)
+    }
+
     /// Queues `op` ordered on the caller's stream (see the module docs) and returns at once.
     ///
     /// # Safety
@@ -288,26 +293,8 @@ pub(crate) fn route(
             "stream: a CUDA stream was given, but the communicator has no device (call braid_comm_use_cuda_device first, or pass NULL for host memory)",
         ));
     };
-    let ordinal = d.gpu.ordinal();
     for (r, arg) in bufs {
-        if r.len == 0 {
-            continue;
-        }
-        let bad = match kind(r.ptr as usize)? {
-            PointerKind::Device { ordinal: o } if o == ordinal => None,
-            PointerKind::Device { ordinal: o } => Some(format!(
-                "{arg} is memory of CUDA device {o}; the communicator uses device {ordinal}"
-            )),
-            PointerKind::Managed { .. } => Some(format!(
-                "{arg} is managed memory; collectives with a CUDA stream take memory from cudaMalloc"
-            )),
-            PointerKind::Host | PointerKind::PinnedHost => Some(format!(
-                "{arg} is host memory, but stream is a CUDA stream: pass NULL as the stream for host memory"
-            )),
-        };
-        if let Some(m) = bad {
-            return Err(invalid(m));
-        }
+        check_kind(d.gpu.ordinal(), r, arg)?;
     }
     // SAFETY: the caller passes a stream of the device's primary context, alive during the call.
     let caller = unsafe { Stream::borrowed(&d.gpu, stream) };
@@ -316,6 +303,29 @@ pub(crate) fn route(
         caller,
         _restore: restore,
     }))
+}
+
+/// `r` must be memory of device `ordinal` (from cudaMalloc) for a collective with a CUDA stream.
+fn check_kind(ordinal: u32, r: &Region, arg: &str) -> Result<(), Error> {
+    if r.len == 0 {
+        return Ok(());
+    }
+    let bad = match kind(r.ptr as usize)? {
+        PointerKind::Device { ordinal: o } if o == ordinal => None,
+        PointerKind::Device { ordinal: o } => Some(format!(
+            "{arg} is memory of CUDA device {o}; the communicator uses device {ordinal}"
+        )),
+        PointerKind::Managed { .. } => Some(format!(
+            "{arg} is managed memory; collectives with a CUDA stream take memory from cudaMalloc"
+        )),
+        PointerKind::Host | PointerKind::PinnedHost => Some(format!(
+            "{arg} is host memory, but stream is a CUDA stream: pass NULL as the stream for host memory"
+        )),
+    };
+    match bad {
+        Some(m) => Err(invalid(m)),
+        None => Ok(()),
+    }
 }
 
 fn kind(addr: usize) -> Result<PointerKind, Error> {

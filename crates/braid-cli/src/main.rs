@@ -110,7 +110,7 @@ enum Cmd {
         register: bool,
         /// Where the buffers live: host (default), cuda (each rank's GPU: device memory, the ipc
         /// transport's rings in GPU memory, the CUDA kernels) or emulated (device memory emulated in
-        /// host memory, for machines without a GPU). all_reduce, broadcast, all_gather and
+        /// host memory, for machines without a GPU). all_reduce, broadcast, reduce, all_gather and
         /// reduce_scatter; every rank on one host.
         #[arg(long, default_value = "host")]
         device: String,

@@ -55,9 +55,10 @@ pub struct PerfArgs {
 }
 
 /// The collectives `braid perf --device` measures on device memory.
-const DEVICE_COLLECTIVES: [Collective; 4] = [
+const DEVICE_COLLECTIVES: [Collective; 5] = [
     Collective::AllReduce,
     Collective::Broadcast,
+    Collective::Reduce,
     Collective::AllGather,
     Collective::ReduceScatter,
 ];
@@ -533,6 +534,7 @@ impl DeviceBench {
                 Collective::ReduceScatter => d.reduce_scatter(send, recv, s.count, dt, a.op),
                 Collective::AllGather => d.all_gather(send, recv, s.count, dt),
                 Collective::Broadcast => d.broadcast(send, recv, s.count, dt, ROOT),
+                Collective::Reduce => d.run(d.reduce_op(send, recv, s.count, dt, a.op, ROOT)?),
                 other => Err(Error::invalid(format!(
                     "{} does not run on device memory yet",
                     other.name()
@@ -658,7 +660,7 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
     if on_device {
         if !DEVICE_COLLECTIVES.contains(&coll) {
             return Err(Error::invalid(format!(
-                "--device: {} does not run on device memory yet (all_reduce, broadcast, all_gather and reduce_scatter do)",
+                "--device: {} does not run on device memory yet (all_reduce, broadcast, reduce, all_gather and reduce_scatter do)",
                 coll.name()
             )));
         }

@@ -161,7 +161,13 @@ fn a_collective_may_be_spelled_without_underscores() {
 fn device_memory_runs_every_device_collective_exactly_across_processes() {
     // Emulated device memory: the ipc transport's rings shared by descriptor between the rank
     // processes, kernels run late by the emulated engine; every result is checked.
-    for collective in ["all_reduce", "broadcast", "all_gather", "reduce_scatter"] {
+    for collective in [
+        "all_reduce",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "reduce_scatter",
+    ] {
         let o = braid(
             &[
                 "perf",
@@ -208,7 +214,7 @@ fn device_options_braid_cannot_honour_are_refused() {
         "{}",
         show(&o)
     );
-    for extra in [&["--collective", "reduce"][..], &["--algo", "ring"][..]] {
+    for extra in [&["--collective", "all_to_all"][..], &["--algo", "ring"][..]] {
         let mut args = vec![
             "perf", "--ranks", "2", "--device", "emulated", "-b", "64", "-e", "64",
         ];

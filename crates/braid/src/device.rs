@@ -537,6 +537,38 @@ impl DeviceCommunicator {
         )
     }
 
+    /// A reduce of `count` elements from every rank's `send` into `root`'s `recv` (in place when equal).
+    /// Off the root `recv` is not used (pass any span, or `send`).
+    pub fn reduce_op(
+        &self,
+        send: Span,
+        recv: Span,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<DeviceOp, Error> {
+        let b = Self::elems(count, 1, dtype)?;
+        // Off the root only the send buffer is read: the op sees it as both sides.
+        let recv = if root == self.rank { recv } else { send };
+        self.describe(Collective::Reduce, root, dtype, op, count, send, recv, b, b)
+    }
+
+    /// A barrier among the ranks (no memory).
+    pub fn barrier_op(&self) -> Result<DeviceOp, Error> {
+        self.describe(
+            Collective::Barrier,
+            0,
+            DType::U8,
+            ReduceOp::Sum,
+            0,
+            Span::EMPTY,
+            Span::EMPTY,
+            0,
+            0,
+        )
+    }
+
     /// Runs `op` and returns once it has finished on the device, after every collective queued before it.
     ///
     /// # Safety

@@ -448,3 +448,56 @@ fn a_failed_queued_collective_still_signals_and_every_later_one_fails_at_once() 
         },
     );
 }
+
+#[test]
+fn device_reduce_to_every_root_and_a_queued_barrier() {
+    with_ranks(
+        3,
+        |_| config(),
+        |c| {
+            let dev = device(&c, 1);
+            let mem = EmulatedDevice::new(0);
+            let rank = c.rank();
+            let count = 3000;
+            for root in 0..c.world_size() {
+                let data = input(rank, DType::I32, count * 4, root);
+                let mut want = vec![0u8; count * 4];
+                c.reduce_bytes(&data, &mut want, DType::I32, ReduceOp::Sum, root)
+                    .unwrap();
+                let (mut s, mut r) = (Buf::new(&mem, count * 4), Buf::new(&mem, count * 4));
+                s.bytes().copy_from_slice(&data);
+                r.bytes().fill(0x5a);
+                let op = dev
+                    .reduce_op(s.span(), r.span(), count, DType::I32, ReduceOp::Sum, root)
+                    .unwrap();
+                // SAFETY: both buffers live through the call.
+                unsafe { dev.run(op) }.unwrap();
+                if rank == root {
+                    assert_eq!(r.bytes(), &want[..], "reduce to root {root}");
+                } else {
+                    assert!(
+                        r.bytes().iter().all(|&b| b == 0x5a),
+                        "a non-root's receive buffer was written"
+                    );
+                    assert_eq!(s.bytes(), &data[..], "a non-root's send buffer changed");
+                }
+            }
+            let fired = Arc::new(std::sync::Mutex::new(Vec::new()));
+            // SAFETY: a barrier touches no memory.
+            unsafe {
+                dev.enqueue(
+                    dev.barrier_op().unwrap(),
+                    Box::new(braid::Ready),
+                    Box::new(Record(fired.clone(), 7)),
+                )
+            }
+            .unwrap();
+            let mut x = Buf::new(&mem, 4);
+            x.bytes().copy_from_slice(&2u32.to_le_bytes());
+            // SAFETY: `x` lives through the call (which runs after the queued barrier).
+            unsafe { dev.all_reduce(x.span(), x.span(), 1, DType::U32, ReduceOp::Sum) }.unwrap();
+            assert_eq!(x.bytes(), &6u32.to_le_bytes());
+            assert_eq!(*fired.lock().unwrap(), vec![(7, true)]);
+        },
+    );
+}
