@@ -278,10 +278,12 @@ pub unsafe extern "C" fn braid_reduce_scatter(
                     "sendbuf and recvbuf overlap: an in-place reduce-scatter on device memory is not supported yet",
                 ));
             }
-            // SAFETY: disjoint memory of the communicator's device (checked), the caller's for the call.
+            // SAFETY: disjoint memory of the communicator's device (checked), valid until the stream passes.
             return unsafe {
-                d.comm
-                    .reduce_scatter(d.span(&s), d.span(&r), recvcount, dt, op)
+                d.enqueue(
+                    d.comm
+                        .reduce_scatter_op(d.span(&s), d.span(&r), recvcount, dt, op),
+                )
             };
         }
         if n > 0 && r.at(0) == s.at(c.rank() * n) {
