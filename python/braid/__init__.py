@@ -811,6 +811,17 @@ class Communicator(_Closes):
         _check(_lib.braid_comm_cuda_progress(self.handle, ctypes.byref(issued), ctypes.byref(completed)))
         return issued.value, completed.value
 
+    def _cuda(self, call, run):
+        """A queued CUDA collective: ``run(call)`` checks the arguments and makes the C call, returning its
+        result code. On failure the call's exports are given back at once; otherwise they are held until
+        the collective ends. Returns the output object."""
+        try:
+            _check(run(call))
+        except BaseException:
+            call.release()
+            raise
+        return self._hold(call)
+
     def _hold(self, call):
         """Keeps a queued CUDA collective's arrays (and DLPack exports) until it has ended."""
         issued, _ = self._cuda_progress()
@@ -856,16 +867,12 @@ class Communicator(_Closes):
         collective is ordered after the work queued on ``stream`` (default: the array's own stream, else
         the legacy default stream) and returns once it has finished on the GPU."""
         if _is_cuda(x) or _is_cuda(out):
-            c = _CudaCall(x, out, "all_reduce", out is None, stream)
-            try:
+            def run(c):
                 if c.out.size != c.x.size:
                     raise ValueError(f"braid: all_reduce: out has {c.out.size} elements, x {c.x.size}")
-                _check(_lib.braid_all_reduce(c.x.c_ptr(), c.out.c_ptr(), c.x.size, c.x.code, _op_code(op),
-                                             self.handle, c.stream))
-            except BaseException:
-                c.release()
-                raise
-            return self._hold(c)
+                return _lib.braid_all_reduce(c.x.c_ptr(), c.out.c_ptr(), c.x.size, c.x.code, _op_code(op),
+                                             self.handle, c.stream)
+            return self._cuda(_CudaCall(x, out, "all_reduce", out is None, stream), run)
         _array(x, "x", writeable=out is None)
         out = x if out is None else _array(out, "out", writeable=True)
         _same_kind(x, out, "all_reduce")
@@ -883,17 +890,13 @@ class Communicator(_Closes):
         if _is_cuda(x) or _is_cuda(out):
             if out is None or in_place:
                 raise ValueError("braid: reduce_scatter: pass out (not in_place) for a CUDA array")
-            c = _CudaCall(x, out, "reduce_scatter", False, stream)
-            try:
+            def run(c):
                 if c.x.size % world or c.out.size != c.x.size // world:
                     raise ValueError(f"braid: reduce_scatter: x ({c.x.size}) must be {world} blocks of out's "
                                      f"{c.out.size} elements")
-                _check(_lib.braid_reduce_scatter(c.x.c_ptr(), c.out.c_ptr(), c.out.size, c.x.code, _op_code(op),
-                                                 self.handle, c.stream))
-            except BaseException:
-                c.release()
-                raise
-            return self._hold(c)
+                return _lib.braid_reduce_scatter(c.x.c_ptr(), c.out.c_ptr(), c.out.size, c.x.code, _op_code(op),
+                                                 self.handle, c.stream)
+            return self._cuda(_CudaCall(x, out, "reduce_scatter", False, stream), run)
         _array(x, "x", writeable=in_place)
         if x.size % world:
             raise ValueError(f"braid: reduce_scatter: {x.size} elements do not split into {world} blocks")
@@ -919,17 +922,13 @@ class Communicator(_Closes):
         if _is_cuda(x) or _is_cuda(out):
             if out is None:
                 raise ValueError("braid: all_gather: pass out for a CUDA array")
-            c = _CudaCall(x, out, "all_gather", False, stream)
-            try:
+            def run(c):
                 if c.out.size != c.x.size * self.size:
                     raise ValueError(f"braid: all_gather: out must hold {c.x.size * self.size} elements, "
                                      f"has {c.out.size}")
-                _check(_lib.braid_all_gather(c.x.c_ptr(), c.out.c_ptr(), c.x.size, c.x.code, self.handle,
-                                             c.stream))
-            except BaseException:
-                c.release()
-                raise
-            return self._hold(c)
+                return _lib.braid_all_gather(c.x.c_ptr(), c.out.c_ptr(), c.x.size, c.x.code, self.handle,
+                                             c.stream)
+            return self._cuda(_CudaCall(x, out, "all_gather", False, stream), run)
         _array(x, "x")
         world = self.size
         if out is None:
@@ -958,16 +957,12 @@ class Communicator(_Closes):
         """``root``'s ``x`` into every rank's ``out`` (default: ``x`` itself, in place). CUDA arrays as in
         :meth:`all_reduce`."""
         if _is_cuda(x) or _is_cuda(out):
-            c = _CudaCall(x, out, "broadcast", out is None, stream)
-            try:
+            def run(c):
                 if c.out.size != c.x.size:
                     raise ValueError(f"braid: broadcast: out has {c.out.size} elements, x {c.x.size}")
-                _check(_lib.braid_broadcast(c.x.c_ptr(), c.out.c_ptr(), c.out.size, c.x.code, int(root),
-                                            self.handle, c.stream))
-            except BaseException:
-                c.release()
-                raise
-            return self._hold(c)
+                return _lib.braid_broadcast(c.x.c_ptr(), c.out.c_ptr(), c.out.size, c.x.code, int(root),
+                                            self.handle, c.stream)
+            return self._cuda(_CudaCall(x, out, "broadcast", out is None, stream), run)
         _array(x, "x", writeable=out is None)
         out = x if out is None else _array(out, "out", writeable=True)
         _same_kind(x, out, "broadcast")
@@ -981,16 +976,12 @@ class Communicator(_Closes):
         """Reduces ``x`` across ranks into ``root``'s ``out`` (default: ``x``, in place); other ranks'
         ``out`` is left alone. CUDA arrays as in :meth:`all_reduce`."""
         if _is_cuda(x) or _is_cuda(out):
-            c = _CudaCall(x, out, "reduce", out is None, stream)
-            try:
+            def run(c):
                 if c.out.size != c.x.size:
                     raise ValueError(f"braid: reduce: out has {c.out.size} elements, x {c.x.size}")
-                _check(_lib.braid_reduce(c.x.c_ptr(), c.out.c_ptr(), c.x.size, c.x.code, _op_code(op), int(root),
-                                         self.handle, c.stream))
-            except BaseException:
-                c.release()
-                raise
-            return self._hold(c)
+                return _lib.braid_reduce(c.x.c_ptr(), c.out.c_ptr(), c.x.size, c.x.code, _op_code(op), int(root),
+                                         self.handle, c.stream)
+            return self._cuda(_CudaCall(x, out, "reduce", out is None, stream), run)
         _array(x, "x", writeable=out is None)
         out = x if out is None else _array(out, "out", writeable=True)
         _same_kind(x, out, "reduce")

@@ -192,11 +192,7 @@ type Opened = (Gpu, Arc<dyn DeviceMemory>, Box<dyn braid_exec::Engine>);
 
 fn open(c: &Communicator, device: c_int) -> Result<Opened, Error> {
     let gpu = if device == -1 {
-        let local = c
-            .hosts()
-            .iter()
-            .find_map(|h| h.iter().position(|&r| r == c.rank()))
-            .unwrap_or(0);
+        let local = c.topology().local_rank(c.rank()).unwrap_or(0);
         Gpu::for_local_rank(local)?
     } else {
         Gpu::open(device as usize)?

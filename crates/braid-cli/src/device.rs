@@ -86,11 +86,7 @@ pub fn open(comm: &Communicator, device: Device) -> Result<DeviceSide, Error> {
             })
         }
         Device::Cuda => {
-            let local = comm
-                .hosts()
-                .iter()
-                .find_map(|h| h.iter().position(|&r| r == comm.rank()))
-                .unwrap_or(0);
+            let local = comm.topology().local_rank(comm.rank()).unwrap_or(0);
             let opened = (|| {
                 let gpu = braid_cuda::Gpu::for_local_rank(local)?;
                 let kernels = Arc::new(braid_cuda::ReduceCopyKernels::load(&gpu)?);

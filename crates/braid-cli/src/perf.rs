@@ -530,10 +530,12 @@ impl DeviceBench {
         // nothing else touches them during the call.
         unsafe {
             match a.collective {
-                Collective::AllReduce => d.all_reduce(send, recv, s.count, dt, a.op),
-                Collective::ReduceScatter => d.reduce_scatter(send, recv, s.count, dt, a.op),
-                Collective::AllGather => d.all_gather(send, recv, s.count, dt),
-                Collective::Broadcast => d.broadcast(send, recv, s.count, dt, ROOT),
+                Collective::AllReduce => d.run(d.all_reduce_op(send, recv, s.count, dt, a.op)?),
+                Collective::ReduceScatter => {
+                    d.run(d.reduce_scatter_op(send, recv, s.count, dt, a.op)?)
+                }
+                Collective::AllGather => d.run(d.all_gather_op(send, recv, s.count, dt)?),
+                Collective::Broadcast => d.run(d.broadcast_op(send, recv, s.count, dt, ROOT)?),
                 Collective::Reduce => d.run(d.reduce_op(send, recv, s.count, dt, a.op, ROOT)?),
                 other => Err(Error::invalid(format!(
                     "{} does not run on device memory yet",

@@ -115,11 +115,19 @@ fn device_collectives_equal_the_host_collectives_bit_for_bit() {
                     let (mut s, mut r) = (Buf::new(&mem, bytes), Buf::new(&mem, bytes));
                     s.bytes().copy_from_slice(&data);
                     // SAFETY: both buffers live through the call and nothing else touches them.
-                    unsafe { dev.all_reduce(s.span(), r.span(), count, dtype, op) }.unwrap();
+                    unsafe {
+                        dev.all_reduce_op(s.span(), r.span(), count, dtype, op)
+                            .and_then(|op| dev.run(op))
+                    }
+                    .unwrap();
                     assert_eq!(r.bytes(), &want[..], "all_reduce {dtype} {op:?} × {count}");
                     // In place.
                     // SAFETY: as above.
-                    unsafe { dev.all_reduce(s.span(), s.span(), count, dtype, op) }.unwrap();
+                    unsafe {
+                        dev.all_reduce_op(s.span(), s.span(), count, dtype, op)
+                            .and_then(|op| dev.run(op))
+                    }
+                    .unwrap();
                     assert_eq!(s.bytes(), &want[..], "in place {dtype} {op:?} × {count}");
                     checked += 2;
                 }
@@ -136,7 +144,11 @@ fn device_collectives_equal_the_host_collectives_bit_for_bit() {
             let (mut s, mut r) = (Buf::new(&mem, count * 4), Buf::new(&mem, count * 4 * world));
             s.bytes().copy_from_slice(&data);
             // SAFETY: as above.
-            unsafe { dev.all_gather(s.span(), r.span(), count, DType::F32) }.unwrap();
+            unsafe {
+                dev.all_gather_op(s.span(), r.span(), count, DType::F32)
+                    .and_then(|op| dev.run(op))
+            }
+            .unwrap();
             let got: Vec<f32> = r
                 .bytes()
                 .chunks(4)
@@ -150,13 +162,20 @@ fn device_collectives_equal_the_host_collectives_bit_for_bit() {
             let (mut s, mut r) = (Buf::new(&mem, big.len()), Buf::new(&mem, count * 4));
             s.bytes().copy_from_slice(&big);
             // SAFETY: as above.
-            unsafe { dev.reduce_scatter(s.span(), r.span(), count, DType::F32, ReduceOp::Sum) }
-                .unwrap();
+            unsafe {
+                dev.reduce_scatter_op(s.span(), r.span(), count, DType::F32, ReduceOp::Sum)
+                    .and_then(|op| dev.run(op))
+            }
+            .unwrap();
             assert_eq!(r.bytes(), &shard[..], "reduce_scatter");
             let (mut s, mut r) = (Buf::new(&mem, 999), Buf::new(&mem, 999));
             s.bytes().fill(rank as u8 + 10);
             // SAFETY: as above.
-            unsafe { dev.broadcast(s.span(), r.span(), 999, DType::U8, 2) }.unwrap();
+            unsafe {
+                dev.broadcast_op(s.span(), r.span(), 999, DType::U8, 2)
+                    .and_then(|op| dev.run(op))
+            }
+            .unwrap();
             assert!(r.bytes().iter().all(|&b| b == 12), "broadcast from rank 2");
             checked + 3
         },
@@ -199,15 +218,22 @@ fn bad_arguments_are_refused_and_change_nothing() {
             ];
             for (send, recv, count, want) in cases {
                 // SAFETY: every span is refused before the collective touches it.
-                let e = unsafe { dev.all_reduce(send, recv, count, DType::F32, ReduceOp::Sum) }
-                    .unwrap_err();
+                let e = unsafe {
+                    dev.all_reduce_op(send, recv, count, DType::F32, ReduceOp::Sum)
+                        .and_then(|op| dev.run(op))
+                }
+                .unwrap_err();
                 assert!(
                     e.is_invalid_argument() && e.to_string().contains(want),
                     "{e}"
                 );
             }
             // SAFETY: as above.
-            let e = unsafe { dev.broadcast(s.span(), r.span(), 16, DType::F32, 2) }.unwrap_err();
+            let e = unsafe {
+                dev.broadcast_op(s.span(), r.span(), 16, DType::F32, 2)
+                    .and_then(|op| dev.run(op))
+            }
+            .unwrap_err();
             assert!(e.to_string().contains("root 2 is out of range"), "{e}");
             assert!(
                 r.bytes().iter().all(|&b| b == 9),
@@ -216,7 +242,11 @@ fn bad_arguments_are_refused_and_change_nothing() {
             host[0] = 1;
             // Still usable: the next collective is exact.
             // SAFETY: both buffers live through the call.
-            unsafe { dev.all_reduce(s.span(), r.span(), 64, DType::U8, ReduceOp::Sum) }.unwrap();
+            unsafe {
+                dev.all_reduce_op(s.span(), r.span(), 64, DType::U8, ReduceOp::Sum)
+                    .and_then(|op| dev.run(op))
+            }
+            .unwrap();
             assert!(r.bytes().iter().all(|&b| b == 2));
             // An engine that cannot compute on the memory is refused on every rank alike.
             let e = c
@@ -358,7 +388,11 @@ fn queued_device_collectives_keep_issue_order_wait_for_their_gate_and_signal_whe
             let mut x = Buf::new(&mem, 4);
             x.bytes().copy_from_slice(&1u32.to_le_bytes());
             // SAFETY: `x` lives through the call.
-            unsafe { dev.all_reduce(x.span(), x.span(), 1, DType::U32, ReduceOp::Sum) }.unwrap();
+            unsafe {
+                dev.all_reduce_op(x.span(), x.span(), 1, DType::U32, ReduceOp::Sum)
+                    .and_then(|op| dev.run(op))
+            }
+            .unwrap();
             assert_eq!(x.bytes(), &world.to_le_bytes());
             assert_eq!(
                 *fired.lock().unwrap(),
@@ -495,7 +529,11 @@ fn device_reduce_to_every_root_and_a_queued_barrier() {
             let mut x = Buf::new(&mem, 4);
             x.bytes().copy_from_slice(&2u32.to_le_bytes());
             // SAFETY: `x` lives through the call (which runs after the queued barrier).
-            unsafe { dev.all_reduce(x.span(), x.span(), 1, DType::U32, ReduceOp::Sum) }.unwrap();
+            unsafe {
+                dev.all_reduce_op(x.span(), x.span(), 1, DType::U32, ReduceOp::Sum)
+                    .and_then(|op| dev.run(op))
+            }
+            .unwrap();
             assert_eq!(x.bytes(), &6u32.to_le_bytes());
             assert_eq!(*fired.lock().unwrap(), vec![(7, true)]);
         },
