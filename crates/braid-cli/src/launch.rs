@@ -3,6 +3,7 @@
 
 use std::ffi::OsString;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
+use std::os::fd::AsRawFd;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -43,13 +44,23 @@ pub fn run(n: usize, program: &OsString, args: &[OsString], extra_env: &[(String
         eprintln!("braid run: -n must be at least 1");
         return 2;
     }
-    let port = match TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).and_then(|l| l.local_addr()) {
-        Ok(a) => a.port(),
+    // The launcher binds the root's port and hands the listening socket to rank 0 (`BRAID_ROOT_FD`),
+    // so no other socket can take the port between choosing it and rank 0 listening on it.
+    let listener = match TcpListener::bind((Ipv4Addr::LOCALHOST, 0)) {
+        Ok(l) => l,
         Err(e) => {
             eprintln!("braid run: no free local port for the bootstrap: {e}");
             return 1;
         }
     };
+    let port = match listener.local_addr() {
+        Ok(a) => a.port(),
+        Err(e) => {
+            eprintln!("braid run: the bootstrap listener has no address: {e}");
+            return 1;
+        }
+    };
+    let mut listener = Some(listener);
     let id = match UniqueId::unbound(SocketAddr::from((Ipv4Addr::LOCALHOST, port))) {
         Ok(id) => id,
         Err(e) => {
@@ -74,7 +85,29 @@ pub fn run(n: usize, program: &OsString, args: &[OsString], extra_env: &[(String
             .env("BRAID_SECRET", id.secret_hex())
             .envs(extra_env.iter().map(|(k, v)| (k, v)))
             .process_group(0);
-        match cmd.spawn() {
+        if rank == 0 {
+            if let Some(l) = &listener {
+                let fd = l.as_raw_fd();
+                cmd.env("BRAID_ROOT_FD", fd.to_string());
+                // SAFETY: between fork and exec only fcntl(2), which is async-signal-safe, runs: it
+                // lets rank 0 inherit the listening socket.
+                unsafe {
+                    cmd.pre_exec(move || {
+                        if libc::fcntl(fd, libc::F_SETFD, 0) == 0 {
+                            Ok(())
+                        } else {
+                            Err(std::io::Error::last_os_error())
+                        }
+                    });
+                }
+            }
+        }
+        let spawned = cmd.spawn();
+        if rank == 0 {
+            // Rank 0 holds the socket now; the launcher's copy goes, so the port closes with rank 0.
+            drop(listener.take());
+        }
+        match spawned {
             Ok(c) => children.push((rank, c)),
             Err(e) => {
                 eprintln!(

@@ -233,8 +233,32 @@ fn scenario_streams(c: &Communicator) -> usize {
     SMALL + 4
 }
 
+/// Before joining: rank 0 holds the bootstrap port from the launcher (`BRAID_ROOT_FD`, a listening
+/// socket on that port, so nothing else can bind it), the other ranks hold no such socket.
+fn check_root_port() -> Result<(), String> {
+    let rank: usize = std::env::var("BRAID_RANK").unwrap().parse().unwrap();
+    let root = std::env::var("BRAID_ROOT").unwrap();
+    let fd = std::env::var("BRAID_ROOT_FD").ok();
+    match (rank, fd) {
+        (0, None) => Err("rank 0 was given no BRAID_ROOT_FD".into()),
+        (0, Some(_)) => match std::net::TcpListener::bind(&root) {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Ok(()),
+            Err(e) => Err(format!("binding {root} failed otherwise: {e}")),
+            Ok(_) => Err(format!("{root} was free: the launcher did not hold it")),
+        },
+        (r, Some(fd)) => Err(format!("rank {r} was given BRAID_ROOT_FD={fd}")),
+        (_, None) => Ok(()),
+    }
+}
+
 fn rank_main(scenario: &str, args: &[String]) -> i32 {
     common::pretend_hosts_from_env();
+    if scenario == "root-port" {
+        if let Err(e) = check_root_port() {
+            println!("FAIL {e}");
+            return 1;
+        }
+    }
     let c = match Communicator::from_env() {
         Ok(c) => c,
         Err(e) => {
@@ -258,7 +282,7 @@ fn rank_main(scenario: &str, args: &[String]) -> i32 {
             println!("rank {} ok: {n} checks", c.rank());
             0
         }
-        "small" => {
+        "small" | "root-port" => {
             let mut x = [c.rank() as u64 + 1];
             c.all_reduce_in_place(&mut x, ReduceOp::Sum).unwrap();
             let w = c.world_size() as u64;
@@ -592,6 +616,13 @@ fn test_launcher_stops_everyone_when_one_rank_fails() {
         "the launcher took {:?}",
         start.elapsed()
     );
+}
+
+fn test_launcher_holds_the_root_port() {
+    let o = braid_run(3, &["root-port"], &[]);
+    assert!(o.status.success(), "{}", show(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(out.matches(" ok").count(), 3, "{}", show(&o));
 }
 
 fn test_killed_rank() {
@@ -953,6 +984,10 @@ fn main() {
         case(
             "launcher stops everyone when one rank fails",
             test_launcher_stops_everyone_when_one_rank_fails,
+        ),
+        case(
+            "the launcher hands rank 0 the bootstrap port",
+            test_launcher_holds_the_root_port,
         ),
         case("rank killed mid-collective", test_killed_rank),
         case("torchrun variables", test_torchrun_variables),

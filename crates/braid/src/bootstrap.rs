@@ -271,7 +271,13 @@ fn peer(
     let mut stream = loop {
         let left = remaining(deadline, &format!("connecting to the root at {addr}"))?;
         match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(2))) {
-            Ok(s) => break s,
+            Ok(s) if !braid_transport::tcp::connected_to_itself(&s) => break s,
+            Ok(_) => {
+                // Connecting to a local port nobody listens on yet can pick that very port as the
+                // source and connect to itself, which would also keep rank 0 from binding it.
+                debug!("rank {rank}: a connection to {addr} reached itself; retrying");
+                std::thread::sleep(pause.min(left));
+            }
             Err(e) => {
                 debug!("rank {rank}: root at {addr} not reachable yet: {e}");
                 std::thread::sleep(pause.min(left));

@@ -84,6 +84,55 @@ impl UniqueId {
         &self.secret
     }
 
+    /// Adopts the listening socket `fd` that a launcher bound for this id and left open across `exec`
+    /// (`BRAID_ROOT_FD`, set by `braid run` for rank 0), so the port is never free for another socket
+    /// to take between the launcher choosing it and rank 0 listening. The fd must be a listening TCP
+    /// socket bound to this id's port; it is owned from here on and closed on `exec`.
+    pub(crate) fn adopt_listener_fd(&self, fd: i32) -> Result<(), Error> {
+        use std::os::fd::FromRawFd;
+        let bad = |why: String| Error::invalid(format!("BRAID_ROOT_FD={fd}: {why}"));
+        let mut kind: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt writes at most `len` bytes into `kind`; a bad fd is reported, not used.
+        let rc = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_ACCEPTCONN,
+                (&mut kind as *mut libc::c_int).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(bad(format!(
+                "not an open socket ({})",
+                std::io::Error::last_os_error()
+            )));
+        }
+        if kind == 0 {
+            return Err(bad("the socket is not listening".into()));
+        }
+        // SAFETY: `fd` is an open listening socket that the launcher handed to this process alone;
+        // from here it is owned by the listener (and closed when that drops).
+        let l = unsafe { TcpListener::from_raw_fd(fd) };
+        // SAFETY: fcntl on the fd just adopted; FD_CLOEXEC keeps it out of this rank's own children.
+        unsafe {
+            libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
+        }
+        let port = l
+            .local_addr()
+            .map_err(|e| bad(format!("no local address ({e})")))?
+            .port();
+        if port != self.addr.port() {
+            return Err(bad(format!(
+                "the socket listens on port {port}, the root's address is {}",
+                self.addr
+            )));
+        }
+        listeners().lock().insert(self.secret, l);
+        Ok(())
+    }
+
     /// The listener bound by `new`/`listen` in this process, if any.
     pub(crate) fn take_listener(&self) -> Option<TcpListener> {
         listeners().lock().remove(&self.secret)
@@ -157,5 +206,40 @@ mod tests {
         assert!(id.take_listener().is_some());
         assert!("127.0.0.1:5".parse::<UniqueId>().is_err());
         assert!("127.0.0.1:5/abc".parse::<UniqueId>().is_err());
+    }
+
+    #[test]
+    fn adopts_only_a_listening_socket_on_its_port() {
+        use std::os::fd::{AsRawFd, IntoRawFd};
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let id = UniqueId::unbound(SocketAddr::from(([127, 0, 0, 1], port))).unwrap();
+
+        let file = std::fs::File::open("/dev/null").unwrap();
+        let e = id
+            .adopt_listener_fd(file.as_raw_fd())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("BRAID_ROOT_FD") && e.contains("not an open socket"),
+            "{e}"
+        );
+        let e = id.adopt_listener_fd(1 << 20).unwrap_err().to_string();
+        assert!(e.contains("not an open socket"), "{e}");
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let e = id
+            .adopt_listener_fd(udp.as_raw_fd())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not listening"), "{e}");
+        assert!(id.take_listener().is_none());
+
+        let other = TcpListener::bind("127.0.0.1:0").unwrap().into_raw_fd();
+        let e = id.adopt_listener_fd(other).unwrap_err().to_string();
+        assert!(e.contains("listens on port"), "{e}");
+
+        id.adopt_listener_fd(l.into_raw_fd()).unwrap();
+        let adopted = id.take_listener().expect("the adopted listener");
+        assert_eq!(adopted.local_addr().unwrap().port(), port);
     }
 }

@@ -237,6 +237,12 @@ fn dial(
 
 /// Connects to `addr`, retrying (with backoff up to 100 ms) while the peer is not listening yet, until
 /// `deadline`; `what` names the attempt in errors.
+/// Whether `s` is a TCP self-connection (simultaneous open of a socket with itself: its local and
+/// peer addresses are the same).
+pub fn connected_to_itself(s: &TcpStream) -> bool {
+    matches!((s.local_addr(), s.peer_addr()), (Ok(a), Ok(b)) if a == b)
+}
+
 pub(crate) fn connect_until(
     addr: SocketAddr,
     deadline: Instant,
@@ -249,6 +255,9 @@ pub(crate) fn connect_until(
             return Err(Error::Bootstrap(format!("timed out {}", what())));
         }
         match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(5))) {
+            // A connection to a local port nobody listens on yet may pick that port as its source and
+            // reach itself; it is dropped (freeing the port) and tried again.
+            Ok(s) if connected_to_itself(&s) => std::thread::sleep(backoff.min(left)),
             Ok(s) => return Ok(s),
             Err(e)
                 if matches!(
