@@ -97,6 +97,9 @@ fn bind_root(id: &UniqueId) -> Result<TcpListener, Error> {
     if let Some(l) = id.take_listener() {
         return Ok(l);
     }
+    if let Some(l) = id.inherited_listener()? {
+        return Ok(l);
+    }
     let addr = id.addr();
     TcpListener::bind(addr)
         .or_else(|e| {

@@ -84,11 +84,37 @@ impl UniqueId {
         &self.secret
     }
 
-    /// Adopts the listening socket `fd` that a launcher bound for this id and left open across `exec`
+    /// The listening socket a launcher bound for this id's port and left open across `exec`
     /// (`BRAID_ROOT_FD`, set by `braid run` for rank 0), so the port is never free for another socket
-    /// to take between the launcher choosing it and rank 0 listening. The fd must be a listening TCP
-    /// socket bound to this id's port; it is owned from here on and closed on `exec`.
-    pub(crate) fn adopt_listener_fd(&self, fd: i32) -> Result<(), Error> {
+    /// to take between the launcher choosing it and rank 0 listening. Taken at most once per process;
+    /// `None` when the variable is unset, already taken, or names a socket on another port (that one
+    /// belongs to another id and is left open). A value that is not a listening socket is an error.
+    pub(crate) fn inherited_listener(&self) -> Result<Option<TcpListener>, Error> {
+        static TAKEN: Mutex<bool> = Mutex::new(false);
+        let mut taken = TAKEN.lock();
+        if *taken {
+            return Ok(None);
+        }
+        let Some(v) = std::env::var_os("BRAID_ROOT_FD") else {
+            return Ok(None);
+        };
+        let fd = v
+            .to_str()
+            .and_then(|v| v.trim().parse::<i32>().ok())
+            .filter(|v| *v >= 0)
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "BRAID_ROOT_FD={v:?} is not a file descriptor number"
+                ))
+            })?;
+        let l = self.adopt_listener_fd(fd)?;
+        *taken = l.is_some();
+        Ok(l)
+    }
+
+    /// Takes `fd` if it is a listening socket on this id's port (see [`UniqueId::inherited_listener`]);
+    /// leaves it untouched otherwise.
+    fn adopt_listener_fd(&self, fd: i32) -> Result<Option<TcpListener>, Error> {
         use std::os::fd::FromRawFd;
         let bad = |why: String| Error::invalid(format!("BRAID_ROOT_FD={fd}: {why}"));
         let mut kind: libc::c_int = 0;
@@ -112,25 +138,28 @@ impl UniqueId {
         if kind == 0 {
             return Err(bad("the socket is not listening".into()));
         }
-        // SAFETY: `fd` is an open listening socket that the launcher handed to this process alone;
-        // from here it is owned by the listener (and closed when that drops).
+        // SAFETY: getsockopt just showed `fd` an open socket; the listener is never dropped (so the
+        // fd is not closed) and only asked for its address.
+        let peek = std::mem::ManuallyDrop::new(unsafe { TcpListener::from_raw_fd(fd) });
+        let port = peek
+            .local_addr()
+            .map_err(|e| bad(format!("no local address ({e})")))?
+            .port();
+        if port != self.addr.port() {
+            tracing::debug!(
+                "BRAID_ROOT_FD={fd} listens on port {port}, not on {}: left alone",
+                self.addr
+            );
+            return Ok(None);
+        }
+        // SAFETY: `fd` is an open listening socket on this id's port that the launcher handed to this
+        // process; from here it is owned by the listener (and closed when that drops).
         let l = unsafe { TcpListener::from_raw_fd(fd) };
         // SAFETY: fcntl on the fd just adopted; FD_CLOEXEC keeps it out of this rank's own children.
         unsafe {
             libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
         }
-        let port = l
-            .local_addr()
-            .map_err(|e| bad(format!("no local address ({e})")))?
-            .port();
-        if port != self.addr.port() {
-            return Err(bad(format!(
-                "the socket listens on port {port}, the root's address is {}",
-                self.addr
-            )));
-        }
-        listeners().lock().insert(self.secret, l);
-        Ok(())
+        Ok(Some(l))
     }
 
     /// The listener bound by `new`/`listen` in this process, if any.
@@ -232,14 +261,16 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("not listening"), "{e}");
-        assert!(id.take_listener().is_none());
 
-        let other = TcpListener::bind("127.0.0.1:0").unwrap().into_raw_fd();
-        let e = id.adopt_listener_fd(other).unwrap_err().to_string();
-        assert!(e.contains("listens on port"), "{e}");
+        // Another id's socket is left open and alone.
+        let other = TcpListener::bind("127.0.0.1:0").unwrap();
+        assert!(id.adopt_listener_fd(other.as_raw_fd()).unwrap().is_none());
+        assert!(other.local_addr().is_ok(), "the other socket was closed");
 
-        id.adopt_listener_fd(l.into_raw_fd()).unwrap();
-        let adopted = id.take_listener().expect("the adopted listener");
+        let adopted = id
+            .adopt_listener_fd(l.into_raw_fd())
+            .unwrap()
+            .expect("the listener on the id's port");
         assert_eq!(adopted.local_addr().unwrap().port(), port);
     }
 }

@@ -235,14 +235,14 @@ fn dial(
     Ok(s)
 }
 
-/// Connects to `addr`, retrying (with backoff up to 100 ms) while the peer is not listening yet, until
-/// `deadline`; `what` names the attempt in errors.
 /// Whether `s` is a TCP self-connection (simultaneous open of a socket with itself: its local and
 /// peer addresses are the same).
 pub fn connected_to_itself(s: &TcpStream) -> bool {
     matches!((s.local_addr(), s.peer_addr()), (Ok(a), Ok(b)) if a == b)
 }
 
+/// Connects to `addr`, retrying (with backoff up to 100 ms) while the peer is not listening yet, until
+/// `deadline`; `what` names the attempt in errors.
 pub(crate) fn connect_until(
     addr: SocketAddr,
     deadline: Instant,

@@ -311,20 +311,6 @@ impl Communicator {
         // Detecting the job can warn (a derived secret): the logger must exist first.
         init_logging(&config);
         let job = JobEnv::detect()?;
-        if job.rank == 0 {
-            if let Some(fd) = std::env::var_os("BRAID_ROOT_FD") {
-                let fd = fd
-                    .to_str()
-                    .and_then(|v| v.trim().parse::<i32>().ok())
-                    .filter(|v| *v >= 0)
-                    .ok_or_else(|| {
-                        Error::invalid(format!(
-                            "BRAID_ROOT_FD={fd:?} is not a file descriptor number"
-                        ))
-                    })?;
-                job.id.adopt_listener_fd(fd)?;
-            }
-        }
         Communicator::init(job.world, job.rank, &job.id, config)
     }
 }
