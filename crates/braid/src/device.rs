@@ -152,8 +152,9 @@ impl Shared {
                     Err(e)
                 }
             };
-            task.signal.fire(&result);
+            // Counted out before the signal fires: whoever the signal wakes sees it ended.
             self.queued.fetch_sub(1, Ordering::AcqRel);
+            task.signal.fire(&result);
         }
     }
 }
