@@ -16,6 +16,10 @@
 //! handle's bytes, zero-padded to [`MAX_HANDLE_BYTES`]; a descriptor comes with it as `SCM_RIGHTS`, a
 //! handle without one. A peer's offer is untrusted: a wrong kind or length, a descriptor missing or one
 //! too many is a bootstrap error naming the peer (a stray descriptor is closed).
+//!
+//! A descriptor in flight keeps its memory alive; a handle does not: the exporter's allocation must
+//! still be there when a peer opens it, and (CUDA's legacy handles) for as long as the peer uses it. The
+//! link keeps a rank's allocation for its whole life, so ranks set up and tear down links together.
 
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};

@@ -268,10 +268,13 @@ fn strangers_are_refused(mode: Mode) {
             drop(sock);
         });
         std::thread::sleep(Duration::from_millis(50));
-        let h1 = s.spawn(|| p1.connect(&ctx1, &[Some(&t0), None]).map(|_| ()));
-        let c0 = p0.connect(&ctx0, &[None, Some(&t1)]).map(|_| ());
-        assert!(c0.is_ok(), "{:?}", c0.err());
-        assert!(h1.join().unwrap().is_ok());
+        // Each rank keeps what it connected until both are done: with handles, a peer opens the
+        // exporter's memory by name, which must still be there.
+        let h1 = s.spawn(|| p1.connect(&ctx1, &[Some(&t0), None]));
+        let c0 = p0.connect(&ctx0, &[None, Some(&t1)]);
+        let c1 = h1.join().unwrap();
+        assert!(c0.is_ok(), "{:?}", c0.err().map(|e| e.to_string()));
+        assert!(c1.is_ok(), "{:?}", c1.err().map(|e| e.to_string()));
         done.send(()).unwrap();
         assert_eq!(stranger.join().unwrap(), 0, "the stranger read bytes");
         silent.join().unwrap();
@@ -491,5 +494,126 @@ fn offers_round_trip_and_oversized_handles_are_not_sent() {
     for bad in [Vec::new(), vec![0; 129]] {
         let e = encode_offer(4096, &Shareable::Handle(bad)).unwrap_err();
         assert!(e.to_string().contains("1 to 128 fit an offer"), "{e}");
+    }
+}
+
+/// The variable that makes `rank_1_of_a_child_process` a rank (its value: the mode and the nonce), set
+/// only by the test that starts it.
+const CHILD: &str = "BRAID_TEST_IPC_CHILD";
+
+/// Rank 0 here and rank 1 in a child process (this test binary again), sharing by descriptor and by
+/// handle (the child opens this process's memfd through `/proc/<pid>/fd`, and this process the child's):
+/// the endpoints cross through the child's stdin and stdout, messages go both ways through each other's
+/// rings.
+#[test]
+fn ranks_in_two_processes_share_rings_by_descriptor_and_by_handle() {
+    use std::io::BufReader;
+    use std::process::{Command, Stdio};
+    for mode in [Mode::Fd, Mode::Handle] {
+        let nonce = rand_tag();
+        let ctx = setup_ctx(0, 2, 2, 4096, nonce);
+        let prepared = Box::new(Ipc::new("/dev/shm", Arc::new(device(mode))))
+            .prepare(&ctx)
+            .unwrap();
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "shm::ipc_tests::rank_1_of_a_child_process",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, format!("{mode:?} {nonce}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut to_child = child.stdin.take().unwrap();
+        writeln!(to_child, "BRAID-ENDPOINT {}", hex(&prepared.endpoint())).unwrap();
+        drop(to_child);
+        let mut from_child = BufReader::new(child.stdout.take().unwrap());
+        let theirs = read_marked(&mut from_child, "BRAID-ENDPOINT ");
+        let link = prepared
+            .connect(&ctx, &[None, Some(&child_peer(unhex(&theirs)))])
+            .unwrap()
+            .activate()
+            .unwrap();
+        let abort = AtomicBool::new(false);
+        send(&*link, 1, 0, b"from rank 0", 1, &abort);
+        assert_eq!(
+            recv(&*link, 1, 0, &abort),
+            (b"from rank 1".to_vec(), 2),
+            "{mode:?}"
+        );
+        let mut rest = String::new();
+        let _ = from_child.read_to_string(&mut rest);
+        assert!(child.wait().unwrap().success(), "{mode:?}: {rest}");
+    }
+}
+
+/// Rank 1 of `ranks_in_two_processes_share_rings_by_descriptor_and_by_handle`, in the child process it
+/// starts; elsewhere it does nothing.
+#[test]
+fn rank_1_of_a_child_process() {
+    let Ok(setting) = std::env::var(CHILD) else {
+        return;
+    };
+    let (mode, nonce) = setting.split_once(' ').unwrap();
+    let mode = if mode == "Handle" {
+        Mode::Handle
+    } else {
+        Mode::Fd
+    };
+    let ctx = setup_ctx(1, 2, 2, 4096, nonce.parse().unwrap());
+    let prepared = Box::new(Ipc::new("/dev/shm", Arc::new(device(mode))))
+        .prepare(&ctx)
+        .unwrap();
+    println!("\nBRAID-ENDPOINT {}", hex(&prepared.endpoint()));
+    let theirs = read_marked(&mut std::io::stdin().lock(), "BRAID-ENDPOINT ");
+    let link = prepared
+        .connect(&ctx, &[Some(&child_peer(unhex(&theirs))), None])
+        .unwrap()
+        .activate()
+        .unwrap();
+    let abort = AtomicBool::new(false);
+    assert_eq!(recv(&*link, 0, 0, &abort), (b"from rank 0".to_vec(), 1));
+    // Into the parent's ring: the message stays there after this process ends.
+    send(&*link, 0, 0, b"from rank 1", 2, &abort);
+}
+
+fn child_peer(blob: Vec<u8>) -> Peer {
+    Peer {
+        pid: std::process::id(),
+        host: "here".into(),
+        endpoints: vec![Endpoint {
+            transport: NAME.into(),
+            blob,
+        }],
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Vec<u8> {
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// The rest of the first line read from `input` that holds `marker` (the test harness may print before
+/// it on the same line), trimmed; a panic when the input ends first.
+fn read_marked(input: &mut impl std::io::BufRead, marker: &str) -> String {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            input.read_line(&mut line).unwrap() > 0,
+            "the other process ended before it sent {marker:?}"
+        );
+        if let Some(at) = line.find(marker) {
+            return line[at + marker.len()..].trim().to_string();
+        }
     }
 }
