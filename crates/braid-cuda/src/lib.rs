@@ -10,7 +10,8 @@
 //!   (with [`Priority`]), [`Event`], [`Module`].
 //! - [`ReduceCopyKernels`]: the catalogue loaded on a device and launched by shape, dtype and op.
 //! - [`CudaEngine`]: braid-exec's `Engine` on a CUDA stream, for collectives on device memory.
-//! - [`CudaMemory`]: shareable device memory (`cuMemCreate`, POSIX file descriptors) for the rings of
+//! - [`CudaMemory`]: shareable device memory (`cuMemCreate` and POSIX file descriptors, or legacy IPC
+//!   handles where the device has no VMM; [`IpcMode`], `BRAID_CUDA_IPC`) for the rings of
 //!   braid-transport's `ipc` transport.
 //!
 //! Without a driver or a GPU, everything that needs one returns an error that says so; nothing panics.
@@ -37,7 +38,7 @@ pub use driver::{
     Module, PinnedBuffer, PointerKind, Priority, RestoreContext, Stream,
 };
 pub use engine::CudaEngine;
-pub use ipc_memory::CudaMemory;
+pub use ipc_memory::{CudaMemory, IpcMode, IPC_VARIABLE, LEGACY_GRANULARITY};
 pub use launch::{blocks_for, RcArgs, ReduceCopyKernels, THREADS};
 pub use nvrtc::{compile, BinaryKind, Compiled, Nvrtc};
 

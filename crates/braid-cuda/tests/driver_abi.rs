@@ -27,6 +27,8 @@ fn c_types(rust: &str) -> &'static [&'static str] {
         "*mutu64" => &["CUmemGenericAllocationHandle*"],
         "*constMemAllocationProp" => &["const CUmemAllocationProp*"],
         "*constMemAccessDesc" => &["const CUmemAccessDesc*"],
+        "IpcMemHandle" => &["CUipcMemHandle"],
+        "*mutIpcMemHandle" => &["CUipcMemHandle*"],
         "CuResult" => &["CUresult"],
         "CuDevice" => &["CUdevice"],
         "CuDevicePtr" => &["CUdeviceptr"],

@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use braid_core::{DType, Error, ReduceOp};
 use braid_cuda::{
-    driver_available, kernel_name, pointer_kind, CudaEngine, DeviceBuffer, Event, Gpu,
-    HostRegistration, Module, PinnedBuffer, PointerKind, Priority, ReduceCopyKernels, Shape,
-    Stream,
+    driver_available, kernel_name, pointer_kind, CudaEngine, CudaMemory, DeviceBuffer, Event, Gpu,
+    HostRegistration, IpcMode, Module, PinnedBuffer, PointerKind, Priority, ReduceCopyKernels,
+    Shape, Stream,
 };
 use braid_exec::{CpuEngine, Engine, Kernel, Operand as KOperand};
 use braid_transport::Span;
@@ -530,20 +530,10 @@ fn the_device_engine_refuses_host_memory_and_gives_zeroed_scratch() {
     assert!(back.iter().all(|&b| b == 0));
 }
 
-/// Two ranks (threads) of an `ipc` transport on this GPU: shareable rings exported and imported by file
-/// descriptor over the transport's Unix sockets, a message written into the peer's device slot and read
-/// back from the receiver's.
-#[test]
-fn the_ipc_transport_moves_messages_through_device_rings() {
-    use braid_transport::setup::{Endpoint, Geometry, Peer, Prepared, SetupCtx, Transport};
-    use braid_transport::shm::ipc::{Ipc, NAME};
-    use braid_transport::{Event as LinkEvent, Link, WaitCtx, WaitPolicy};
-    use std::sync::atomic::AtomicBool;
-    let Some(gpu) = gpu() else { return };
-    let memory: Arc<dyn braid_transport::DeviceMemory> =
-        Arc::new(braid_cuda::CudaMemory::new(&gpu).unwrap());
-    let nonce = std::process::id() as u64 ^ 0x1bc0_0000;
-    let ctx = |rank| SetupCtx {
+/// The setup context of rank `rank` of a two-rank `ipc` test.
+fn ipc_ctx(rank: usize, nonce: u64) -> braid_transport::SetupCtx {
+    use braid_transport::{Geometry, SetupCtx, WaitPolicy};
+    SetupCtx {
         geometry: Geometry {
             rank,
             world: 2,
@@ -558,53 +548,41 @@ fn the_ipc_transport_moves_messages_through_device_rings() {
             yield_for: Duration::from_micros(20),
         },
         deadline: soon(),
-    };
-    let prepared: Vec<Box<dyn Prepared>> = (0..2)
-        .map(|r| {
-            Box::new(Ipc::new("/dev/shm", memory.clone()))
-                .prepare(&ctx(r))
-                .unwrap()
-        })
-        .collect();
-    let table: Vec<Peer> = prepared
-        .iter()
-        .map(|p| Peer {
-            pid: std::process::id(),
-            host: "here".into(),
-            endpoints: vec![Endpoint {
-                transport: NAME.into(),
-                blob: p.endpoint(),
-            }],
-        })
-        .collect();
-    let links: Vec<Box<dyn Link>> = std::thread::scope(|s| {
-        let hs: Vec<_> = prepared
-            .into_iter()
-            .enumerate()
-            .map(|(r, p)| {
-                let (table, ctx) = (&table, ctx(r));
-                s.spawn(move || {
-                    let peers: Vec<Option<&Peer>> =
-                        (0..2).map(|q| (q != r).then(|| &table[q])).collect();
-                    p.connect(&ctx, &peers).unwrap().activate().unwrap()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    }
+}
+
+/// A peer that published the `ipc` endpoint `blob`.
+fn ipc_peer(blob: Vec<u8>) -> braid_transport::Peer {
+    braid_transport::Peer {
+        pid: std::process::id(),
+        host: "here".into(),
+        endpoints: vec![braid_transport::Endpoint {
+            transport: braid_transport::shm::ipc::NAME.into(),
+            blob,
+        }],
+    }
+}
+
+/// The 1 MiB message of the `ipc` tests.
+fn ipc_message() -> Vec<u8> {
+    (0..(1 << 20)).map(|i: u32| (i % 251) as u8).collect()
+}
+
+/// Writes `msg` into a device slot of `link`'s ring at `peer` (channel 0) and posts it with tag 9.
+fn ipc_send(gpu: &Gpu, link: &dyn braid_transport::Link, peer: usize, msg: &[u8]) {
+    use braid_transport::WaitCtx;
+    use std::sync::atomic::AtomicBool;
     let abort = AtomicBool::new(false);
-    let now = Instant::now();
     let wctx = WaitCtx {
         rank: 0,
         collective: "gpu ipc",
         seq: 0,
         deadline: soon(),
-        started: now,
+        started: Instant::now(),
         abort: &abort,
     };
-    let stream = Stream::new(&gpu, Priority::High).unwrap();
-    let msg: Vec<u8> = (0..(1 << 20)).map(|i: u32| (i % 251) as u8).collect();
-    let slot = links[0].try_reserve(1, 0, &wctx).unwrap().expect("credit");
+    let stream = Stream::new(gpu, Priority::High).unwrap();
+    let slot = link.try_reserve(peer, 0, &wctx).unwrap().expect("credit");
     assert_eq!(
         slot.span().kind(),
         braid_transport::MemKind::Device {
@@ -614,11 +592,27 @@ fn the_ipc_transport_moves_messages_through_device_rings() {
     // SAFETY: the slot is ours until posted; `msg` lives until the stream is synchronised.
     unsafe { stream.copy(slot.span().addr() as u64, msg.as_ptr() as u64, msg.len()) }.unwrap();
     stream.synchronize(soon()).unwrap();
-    links[0].post(slot, msg.len(), 9, &wctx).unwrap();
-    links[1].wait(0, 0, LinkEvent::Data, &wctx, soon()).unwrap();
-    let got = links[1].try_recv(0, 0, &wctx).unwrap().expect("a message");
-    assert_eq!((got.len(), got.tag()), (msg.len(), 9));
-    let mut back = vec![0u8; msg.len()];
+    link.post(slot, msg.len(), 9, &wctx).unwrap();
+}
+
+/// Waits for the message from `peer` (channel 0) on `link`, checks its tag and returns its bytes.
+fn ipc_receive(gpu: &Gpu, link: &dyn braid_transport::Link, peer: usize) -> Vec<u8> {
+    use braid_transport::{Event as LinkEvent, WaitCtx};
+    use std::sync::atomic::AtomicBool;
+    let abort = AtomicBool::new(false);
+    let wctx = WaitCtx {
+        rank: 1,
+        collective: "gpu ipc",
+        seq: 0,
+        deadline: soon(),
+        started: Instant::now(),
+        abort: &abort,
+    };
+    let stream = Stream::new(gpu, Priority::High).unwrap();
+    link.wait(peer, 0, LinkEvent::Data, &wctx, soon()).unwrap();
+    let got = link.try_recv(peer, 0, &wctx).unwrap().expect("a message");
+    assert_eq!(got.tag(), 9);
+    let mut back = vec![0u8; got.len()];
     // SAFETY: the slot is ours until released; `back` lives until the stream is synchronised.
     unsafe {
         stream.copy(
@@ -629,6 +623,190 @@ fn the_ipc_transport_moves_messages_through_device_rings() {
     }
     .unwrap();
     stream.synchronize(soon()).unwrap();
-    assert_eq!(back, msg);
-    links[1].release(got).unwrap();
+    link.release(got).unwrap();
+    back
+}
+
+/// `CudaMemory` on `gpu` shared as `mode`, or `None` after printing why the device cannot (only `fd`
+/// may be missing: legacy handles need only unified addressing).
+fn ipc_memory(gpu: &Gpu, mode: IpcMode) -> Option<Arc<dyn braid_transport::DeviceMemory>> {
+    match CudaMemory::with_mode(gpu, mode) {
+        Ok(m) => {
+            assert_eq!(m.mode(), mode);
+            Some(Arc::new(m))
+        }
+        Err(e) if mode == IpcMode::Fd => {
+            let auto = CudaMemory::with_mode(gpu, IpcMode::Auto).unwrap();
+            assert_eq!(auto.mode(), IpcMode::Legacy, "auto did not fall back: {e}");
+            assert!(e.to_string().contains("BRAID_CUDA_IPC=fd"), "{e}");
+            println!("SKIPPED: sharing ring memory by descriptor: {e}");
+            None
+        }
+        Err(e) => panic!("{mode:?}: {e}"),
+    }
+}
+
+/// Two ranks (threads) of an `ipc` transport on this GPU, in both ways of sharing ring memory: rings
+/// exported and imported by file descriptor over the transport's Unix sockets, or by legacy handle (which
+/// in one process takes the exporter's address as it is); a message written into the peer's device slot
+/// and read back from the receiver's.
+#[test]
+fn the_ipc_transport_moves_messages_through_device_rings() {
+    use braid_transport::setup::{Prepared, Transport};
+    use braid_transport::shm::ipc::Ipc;
+    use braid_transport::Link;
+    let Some(gpu) = gpu() else { return };
+    let auto = CudaMemory::with_mode(&gpu, IpcMode::Auto).unwrap();
+    println!("auto shares ring memory as {:?}", auto.mode());
+    for (k, mode) in [IpcMode::Fd, IpcMode::Legacy].into_iter().enumerate() {
+        let Some(memory) = ipc_memory(&gpu, mode) else {
+            continue;
+        };
+        let nonce = std::process::id() as u64 ^ 0x1bc0_0000 ^ ((k as u64) << 40);
+        let prepared: Vec<Box<dyn Prepared>> = (0..2)
+            .map(|r| {
+                Box::new(Ipc::new("/dev/shm", memory.clone()))
+                    .prepare(&ipc_ctx(r, nonce))
+                    .unwrap()
+            })
+            .collect();
+        let table: Vec<_> = prepared.iter().map(|p| ipc_peer(p.endpoint())).collect();
+        let links: Vec<Box<dyn Link>> = std::thread::scope(|s| {
+            let hs: Vec<_> = prepared
+                .into_iter()
+                .enumerate()
+                .map(|(r, p)| {
+                    let table = &table;
+                    s.spawn(move || {
+                        let peers: Vec<Option<&braid_transport::Peer>> =
+                            (0..2).map(|q| (q != r).then(|| &table[q])).collect();
+                        p.connect(&ipc_ctx(r, nonce), &peers)
+                            .unwrap()
+                            .activate()
+                            .unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let msg = ipc_message();
+        ipc_send(&gpu, &*links[0], 1, &msg);
+        assert_eq!(ipc_receive(&gpu, &*links[1], 0), msg, "{mode:?}");
+    }
+}
+
+/// The variable that makes `ipc_rank_1_of_a_child_process` a rank (its value: the mode), set only by
+/// the test that starts it.
+const IPC_CHILD: &str = "BRAID_TEST_IPC_CHILD";
+
+/// Rank 0 here and rank 1 in a child process (this test binary again), in both ways of sharing ring
+/// memory, so that each imports the other's by descriptor or opens it with `cuIpcOpenMemHandle`: the
+/// endpoints cross through the child's stdin and stdout, 1 MiB goes from rank 0 into rank 1's device
+/// ring, and the child checks what it received.
+#[test]
+fn the_ipc_transport_moves_messages_between_processes() {
+    use braid_transport::setup::Transport;
+    use braid_transport::shm::ipc::Ipc;
+    use std::io::{BufReader, Write};
+    use std::process::{Command, Stdio};
+    let Some(gpu) = gpu() else { return };
+    for (k, mode, name) in [(0u64, IpcMode::Fd, "fd"), (1, IpcMode::Legacy, "legacy")] {
+        let Some(memory) = ipc_memory(&gpu, mode) else {
+            continue;
+        };
+        let nonce = std::process::id() as u64 ^ 0x2bc0_0000 ^ (k << 40);
+        let prepared = Box::new(Ipc::new("/dev/shm", memory))
+            .prepare(&ipc_ctx(0, nonce))
+            .unwrap();
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "ipc_rank_1_of_a_child_process",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(IPC_CHILD, format!("{name} {nonce}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut to_child = child.stdin.take().unwrap();
+        writeln!(to_child, "BRAID-ENDPOINT {}", hex(&prepared.endpoint())).unwrap();
+        drop(to_child);
+        let mut from_child = BufReader::new(child.stdout.take().unwrap());
+        let theirs = read_marked(&mut from_child, "BRAID-ENDPOINT ");
+        let link = prepared
+            .connect(&ipc_ctx(0, nonce), &[None, Some(&ipc_peer(unhex(&theirs)))])
+            .unwrap()
+            .activate()
+            .unwrap();
+        ipc_send(&gpu, &*link, 1, &ipc_message());
+        let verdict = read_marked(&mut from_child, "BRAID-RECEIVED ");
+        let mut rest = String::new();
+        let _ = std::io::Read::read_to_string(&mut from_child, &mut rest);
+        let status = child.wait().unwrap();
+        assert_eq!(
+            verdict, "ok",
+            "{mode:?}: the child received another message\n{rest}"
+        );
+        assert!(status.success(), "{mode:?}: the child failed\n{rest}");
+        // Legacy: the child's rings went with it; closing them here may warn, never panic.
+        drop(link);
+    }
+}
+
+/// Rank 1 of `the_ipc_transport_moves_messages_between_processes`, in the child process it starts;
+/// elsewhere it does nothing.
+#[test]
+fn ipc_rank_1_of_a_child_process() {
+    use braid_transport::setup::Transport;
+    use braid_transport::shm::ipc::Ipc;
+    let Ok(setting) = std::env::var(IPC_CHILD) else {
+        return;
+    };
+    let (name, nonce) = setting.split_once(' ').unwrap();
+    let mode = IpcMode::parse(Some(name)).unwrap();
+    let nonce: u64 = nonce.parse().unwrap();
+    let gpu = Gpu::for_local_rank(0).unwrap();
+    let memory = Arc::new(CudaMemory::with_mode(&gpu, mode).unwrap());
+    let prepared = Box::new(Ipc::new("/dev/shm", memory))
+        .prepare(&ipc_ctx(1, nonce))
+        .unwrap();
+    println!("\nBRAID-ENDPOINT {}", hex(&prepared.endpoint()));
+    let theirs = read_marked(&mut std::io::stdin().lock(), "BRAID-ENDPOINT ");
+    let link = prepared
+        .connect(&ipc_ctx(1, nonce), &[Some(&ipc_peer(unhex(&theirs))), None])
+        .unwrap()
+        .activate()
+        .unwrap();
+    let got = ipc_receive(&gpu, &*link, 0);
+    let verdict = if got == ipc_message() { "ok" } else { "wrong" };
+    println!("\nBRAID-RECEIVED {verdict}");
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Vec<u8> {
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
+        .collect()
+}
+
+/// The rest of the first line read from `input` that holds `marker` (the test harness may print before it
+/// on the same line), trimmed; a panic when the input ends first.
+fn read_marked(input: &mut impl std::io::BufRead, marker: &str) -> String {
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(
+            input.read_line(&mut line).unwrap() > 0,
+            "the other process ended before it sent {marker:?}"
+        );
+        if let Some(at) = line.find(marker) {
+            return line[at + marker.len()..].trim().to_string();
+        }
+    }
 }

@@ -10,7 +10,7 @@
 //!
 //! - [`shm`]: shared memory between processes of one host (futex words in a segment per rank); with a
 //!   [`DeviceMemory`], the same protocol with the slots' payload in device memory shared between the
-//!   processes by file descriptor (the `ipc` transport: CUDA IPC);
+//!   processes by file descriptor or legacy handle (the `ipc` transport: CUDA IPC);
 //! - [`tcp`]: TCP between any two ranks (reader threads place parts straight into the receiver's slots);
 //! - `rdma` (cargo feature `rdma`): RDMA writes with immediate over reliable-connected queue pairs
 //!   (InfiniBand, RoCE), into slots the receiver registered;

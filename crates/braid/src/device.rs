@@ -171,7 +171,7 @@ impl DeviceSignal for Reply {
 impl Communicator {
     /// Sets up collectives on the device memory `memory` gives, computed by `engine` (which must accept
     /// that memory): every rank of the communicator calls this with memory of its own device, and all
-    /// must run on one host. It exchanges the rings' descriptors between the ranks (checked with the
+    /// must run on one host. It exchanges the rings' descriptors or handles between the ranks (checked with the
     /// communicator's secret) using this communicator's own collectives, so it is ordered like one.
     /// Fails on every rank when it fails on one (after the exchange, all agree).
     pub fn device(

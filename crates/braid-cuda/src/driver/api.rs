@@ -90,6 +90,8 @@ pub const MEM_LOCATION_TYPE_DEVICE: c_int = 1;
 pub const MEM_ACCESS_FLAGS_PROT_READWRITE: c_int = 3;
 /// `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`.
 pub const MEM_ALLOC_GRANULARITY_RECOMMENDED: c_int = 1;
+/// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`: the one flag `cuIpcOpenMemHandle` takes.
+pub const IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 1;
 
 /// `CUmemLocation`.
 #[repr(C)]
@@ -131,6 +133,14 @@ pub struct MemAccessDesc {
     pub location: MemLocation,
     /// `flags` (`CU_MEM_ACCESS_FLAGS_*`).
     pub flags: c_int,
+}
+
+/// `CUipcMemHandle`: a legacy IPC handle of device memory, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct IpcMemHandle {
+    /// `reserved`: the handle's opaque bytes.
+    pub reserved: [c_char; 64],
 }
 
 /// A struct's C layout: its C name, its size, and (C field, offset) for each field.
@@ -188,6 +198,11 @@ pub const STRUCTS: &[StructLayout] = &[
             ("location", std::mem::offset_of!(MemAccessDesc, location)),
             ("flags", std::mem::offset_of!(MemAccessDesc, flags)),
         ],
+    ),
+    (
+        "CUipcMemHandle",
+        std::mem::size_of::<IpcMemHandle>(),
+        &[("reserved", std::mem::offset_of!(IpcMemHandle, reserved))],
     ),
 ];
 
@@ -269,6 +284,10 @@ pub const CONSTANTS: &[(&str, i64)] = &[
     (
         "CU_MEM_ALLOC_GRANULARITY_RECOMMENDED",
         MEM_ALLOC_GRANULARITY_RECOMMENDED as i64,
+    ),
+    (
+        "CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS",
+        IPC_MEM_LAZY_ENABLE_PEER_ACCESS as i64,
     ),
 ];
 
@@ -415,6 +434,14 @@ driver_api! {
     /// `cuMemSetAccess`.
     mem_set_access = ["cuMemSetAccess"] fn(CuDevicePtr, usize, *const MemAccessDesc, usize)
         as "CUdeviceptr, size_t, const CUmemAccessDesc*, size_t";
+    /// `cuIpcGetMemHandle`.
+    ipc_get_mem_handle = ["cuIpcGetMemHandle"] fn(*mut IpcMemHandle, CuDevicePtr)
+        as "CUipcMemHandle*, CUdeviceptr";
+    /// `cuIpcOpenMemHandle` (`_v2` in current drivers, the plain name in older ones).
+    ipc_open_mem_handle = ["cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"]
+        fn(*mut CuDevicePtr, IpcMemHandle, c_uint) as "CUdeviceptr*, CUipcMemHandle, unsigned int";
+    /// `cuIpcCloseMemHandle`.
+    ipc_close_mem_handle = ["cuIpcCloseMemHandle"] fn(CuDevicePtr) as "CUdeviceptr";
     /// `cuMemsetD8`.
     memset_d8 = ["cuMemsetD8_v2"] fn(CuDevicePtr, u8, usize) as "CUdeviceptr, unsigned char, size_t";
     /// `cuLaunchKernel`.

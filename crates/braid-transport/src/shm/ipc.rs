@@ -5,14 +5,24 @@
 //! - **prepare:** the segment (headers and credits only), one device allocation for all of this rank's
 //!   inbound payload rings, and a Unix socket in the abstract namespace. The endpoint names the segment,
 //!   the socket and the allocation's size.
-//! - **connect:** every rank serves its allocation's descriptor to each peer that shows the
-//!   communicator's secret (strangers are dropped), and fetches each peer's descriptor, checks the size
-//!   against the peer's endpoint and maps it. Both run at once (the serving side on a scoped thread), all
-//!   before the setup deadline.
+//! - **connect:** every rank serves its allocation's offer to each peer that shows the communicator's
+//!   secret (strangers are dropped), and fetches each peer's offer, checks it and its size against the
+//!   peer's endpoint and maps it. Both run at once (the serving side on a scoped thread), all before the
+//!   setup deadline.
 //! - **activate:** the segment's name goes; the link is a [`ShmLink`] with a [`DevicePlane`].
+//!
+//! An offer is one message of [`OFFER_BYTES`], little-endian: the rings' bytes (u64), what they are
+//! shared by (u32: [`KIND_FD`] or [`KIND_HANDLE`]), the handle's length (u32, 0 for a descriptor) and the
+//! handle's bytes, zero-padded to [`MAX_HANDLE_BYTES`]; a descriptor comes with it as `SCM_RIGHTS`, a
+//! handle without one. A peer's offer is untrusted: a wrong kind or length, a descriptor missing or one
+//! too many is a bootstrap error naming the peer (a stray descriptor is closed).
+//!
+//! A descriptor in flight keeps its memory alive; a handle does not: the exporter's allocation must
+//! still be there when a peer opens it, and (CUDA's legacy handles) for as long as the peer uses it. The
+//! link keeps a rank's allocation for its whole life, so ranks set up and tear down links together.
 
 use std::io::{Read, Write};
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -22,7 +32,9 @@ use std::time::{Duration, Instant};
 use braid_core::Error;
 
 use super::{sweep_stale, DevicePlane, Layout, Segment, ShmLink};
-use crate::device::{recv_fd, send_fd, DeviceAllocation, DeviceMemory};
+use crate::device::{
+    recv_msg, send_msg, DeviceAllocation, DeviceMemory, Shareable, MAX_HANDLE_BYTES,
+};
 use crate::link::Link;
 use crate::setup::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
 use crate::wait::WaitPolicy;
@@ -32,6 +44,68 @@ pub const NAME: &str = "ipc";
 
 /// How long a connection may take to say who it is before it is dropped.
 const HELLO_PATIENCE: Duration = Duration::from_secs(2);
+
+/// Bytes of an offer (see the module docs).
+pub const OFFER_BYTES: usize = 16 + MAX_HANDLE_BYTES;
+/// An offer's kind: the rings are shared by the descriptor that comes with it.
+pub const KIND_FD: u32 = 1;
+/// An offer's kind: the rings are shared by the handle it holds.
+pub const KIND_HANDLE: u32 = 2;
+
+/// The offer of `bytes` of rings shared by `shared`.
+pub fn encode_offer(bytes: usize, shared: &Shareable) -> Result<[u8; OFFER_BYTES], Error> {
+    let mut msg = [0u8; OFFER_BYTES];
+    msg[..8].copy_from_slice(&(bytes as u64).to_le_bytes());
+    let kind = match shared {
+        Shareable::Fd(_) => KIND_FD,
+        Shareable::Handle(h) => {
+            if h.is_empty() || h.len() > MAX_HANDLE_BYTES {
+                return Err(Error::Internal(format!(
+                    "ipc: a device memory handle of {} bytes (1 to {MAX_HANDLE_BYTES} fit an offer)",
+                    h.len()
+                )));
+            }
+            msg[12..16].copy_from_slice(&(h.len() as u32).to_le_bytes());
+            msg[16..16 + h.len()].copy_from_slice(h);
+            KIND_HANDLE
+        }
+    };
+    msg[8..12].copy_from_slice(&kind.to_le_bytes());
+    Ok(msg)
+}
+
+/// The rings' bytes and what they are shared by, from a peer's offer and the descriptor that came with
+/// it (closed when it should not have come); an error says what was wrong.
+pub fn decode_offer(
+    msg: &[u8; OFFER_BYTES],
+    fd: Option<OwnedFd>,
+) -> Result<(usize, Shareable), String> {
+    let word = |i: usize| u32::from_le_bytes([msg[i], msg[i + 1], msg[i + 2], msg[i + 3]]);
+    let mut size = [0u8; 8];
+    size.copy_from_slice(&msg[..8]);
+    let size = u64::from_le_bytes(size);
+    let bytes = usize::try_from(size).map_err(|_| format!("it offered {size} bytes of rings"))?;
+    let (kind, len) = (word(8), word(12));
+    let shared = match (kind, fd) {
+        (KIND_FD, Some(fd)) if len == 0 => Shareable::Fd(fd),
+        (KIND_FD, Some(_)) => return Err(format!("its descriptor offer holds {len} handle bytes")),
+        (KIND_FD, None) => return Err("its descriptor did not come with its offer".into()),
+        (KIND_HANDLE, Some(_)) => {
+            return Err("its handle offer came with a descriptor (closed)".into())
+        }
+        (KIND_HANDLE, None) => {
+            let len = len as usize;
+            if len == 0 || len > MAX_HANDLE_BYTES {
+                return Err(format!(
+                    "its offer holds a handle of {len} bytes (1 to {MAX_HANDLE_BYTES} allowed)"
+                ));
+            }
+            Shareable::Handle(msg[16..16 + len].to_vec())
+        }
+        (kind, _) => return Err(format!("its offer is of unknown kind {kind}")),
+    };
+    Ok((bytes, shared))
+}
 
 /// Device-memory rings between the processes of one host.
 pub struct Ipc {
@@ -71,7 +145,8 @@ impl Transport for Ipc {
         };
         let own = Segment::create(&self.dir.join(&name), layout, g.rank)?;
         let bytes = layout.device_bytes(self.memory.granularity());
-        let (alloc, fd) = self.memory.allocate(bytes)?;
+        let (alloc, shared) = self.memory.allocate(bytes)?;
+        let offer = encode_offer(bytes, &shared)?;
         let what = || format!("listening on the abstract socket @{name}");
         let addr =
             SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| Error::io(what(), e))?;
@@ -84,7 +159,8 @@ impl Transport for Ipc {
             layout,
             memory: self.memory,
             alloc,
-            fd,
+            shared,
+            offer,
             listener,
             socket: name,
             bytes,
@@ -120,7 +196,9 @@ struct IpcPrepared {
     layout: Layout,
     memory: Arc<dyn DeviceMemory>,
     alloc: Box<dyn DeviceAllocation>,
-    fd: OwnedFd,
+    /// What `alloc` is shared by: a descriptor stays open until setup is over.
+    shared: Shareable,
+    offer: [u8; OFFER_BYTES],
     listener: UnixListener,
     socket: String,
     bytes: usize,
@@ -133,7 +211,7 @@ fn left(deadline: Instant) -> Option<Duration> {
 }
 
 impl IpcPrepared {
-    /// Hands this rank's descriptor to each of `expected` peers that shows the secret.
+    /// Hands this rank's offer to each of `expected` peers that shows the secret.
     fn serve(&self, ctx: &SetupCtx, expected: &[usize]) -> Result<(), Error> {
         let mut served = vec![false; ctx.geometry.world];
         let mut pending = expected.len();
@@ -173,7 +251,11 @@ impl IpcPrepared {
                 );
                 continue;
             }
-            send_fd(&sock, &(self.bytes as u64).to_le_bytes(), &self.fd)?;
+            let fd = match &self.shared {
+                Shareable::Fd(fd) => Some(fd.as_fd()),
+                Shareable::Handle(_) => None,
+            };
+            send_msg(&sock, &self.offer, fd)?;
             served[rank] = true;
             pending -= 1;
         }
@@ -215,9 +297,11 @@ fn fetch(
     (&sock)
         .write_all(&hello)
         .map_err(|e| Error::io(what(), e))?;
-    let mut size = [0u8; 8];
-    let fd = recv_fd(&sock, &mut size).map_err(|e| Error::Bootstrap(format!("{}: {e}", what())))?;
-    let bytes = u64::from_le_bytes(size) as usize;
+    let mut offer = [0u8; OFFER_BYTES];
+    let fd =
+        recv_msg(&sock, &mut offer).map_err(|e| Error::Bootstrap(format!("{}: {e}", what())))?;
+    let (bytes, shared) =
+        decode_offer(&offer, fd).map_err(|why| Error::Bootstrap(format!("{}: {why}", what())))?;
     if bytes != remote.bytes {
         return Err(Error::Bootstrap(format!(
             "{}: it sent {bytes} bytes of rings, its endpoint said {}",
@@ -225,7 +309,10 @@ fn fetch(
             remote.bytes
         )));
     }
-    memory.import(fd, bytes)
+    memory.import(shared, bytes).map_err(|e| match e {
+        Error::Bootstrap(why) => Error::Bootstrap(format!("{}: {why}", what())),
+        e => e,
+    })
 }
 
 impl Prepared for IpcPrepared {

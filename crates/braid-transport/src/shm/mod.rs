@@ -15,7 +15,7 @@
 //! With a [`DeviceMemory`](crate::DeviceMemory), the `ipc` transport ([`ipc`]) runs the same protocol
 //! with each slot's payload in device memory: the segment keeps the sequence words, lengths, tags and
 //! credits, and every rank's inbound payload rings are one device allocation its peers map from a file
-//! descriptor. Slots are then device spans, written and read only by a device engine; the executor posts
+//! descriptor or a legacy handle. Slots are then device spans, written and read only by a device engine; the executor posts
 //! a slot after the kernel that filled it has finished and releases one after the kernel that read it.
 
 use std::cell::Cell;
