@@ -8,6 +8,8 @@
 #   ITERS         timed iterations per size (default 20)
 #   WARMUP        warm-up iterations per size (default 5)
 #   MPIRUN_FLAGS  extra mpirun flags (default "--allow-run-as-root --oversubscribe")
+#   LAT_ITERS     iterations of the 8-byte latency pass (default 50000; 0 skips the pass)
+#   LAT_ROUNDS    alternated braid/MPI rounds of that pass (default 5)
 #
 # Results go to target/bench/{braid,mpi}-N.json; see benches/README.md.
 set -euo pipefail
@@ -23,6 +25,8 @@ SIZES="${SIZES:--b 8 -e 64M -f 2}"
 ITERS="${ITERS:-20}"
 WARMUP="${WARMUP:-5}"
 MPIRUN_FLAGS="${MPIRUN_FLAGS:---allow-run-as-root --oversubscribe}"
+LAT_ITERS="${LAT_ITERS:-50000}"
+LAT_ROUNDS="${LAT_ROUNDS:-5}"
 
 read -r -a size_args <<<"$SIZES"
 read -r -a mpirun_flags <<<"$MPIRUN_FLAGS"
@@ -31,6 +35,12 @@ if [ "$#" -gt 0 ]; then
 else
     ranks_list=(2 4)
 fi
+for v in LAT_ITERS LAT_ROUNDS; do
+    if ! [[ "${!v}" =~ ^[0-9]+$ ]]; then
+        echo "compare-mpi: $v must be a non-negative integer, got '${!v}'" >&2
+        exit 2
+    fi
+done
 for n in "${ranks_list[@]}"; do
     if ! [[ "$n" =~ ^[1-9][0-9]*$ ]]; then
         echo "compare-mpi: rank count must be a positive integer, got '$n'" >&2
@@ -93,5 +103,24 @@ for n in "${ranks_list[@]}"; do
     echo "---- braid vs Open MPI, $n ranks"
     python3 benches/compare.py "$braid_json" "$mpi_json" || status=1
 done
+
+# The sweep's few iterations time an 8-byte call over microseconds: noise. Latency gets its own pass,
+# many iterations per run, braid and MPI alternated round by round so that both see the same machine.
+if [ "$LAT_ITERS" -gt 0 ] && [ "$LAT_ROUNDS" -gt 0 ]; then
+    for n in "${ranks_list[@]}"; do
+        echo
+        echo "================ $n ranks: 8-byte all-reduce latency, $LAT_ROUNDS alternated rounds of $LAT_ITERS iterations ================"
+        lat_dir="$bench_dir/latency-$n"
+        rm -rf "$lat_dir"
+        mkdir -p "$lat_dir"
+        for r in $(seq 1 "$LAT_ROUNDS"); do
+            run_step "$lat_dir/braid-$r.json" "$braid_bin" perf --ranks "$n" -b 8 -e 8 \
+                -n "$LAT_ITERS" -w 1000 --json "$lat_dir/braid-$r.json" >/dev/null
+            run_step "$lat_dir/mpi-$r.json" mpirun "${mpirun_flags[@]}" -np "$n" "$harness" -b 8 -e 8 \
+                -n "$LAT_ITERS" -w 1000 -j "$lat_dir/mpi-$r.json" >/dev/null
+        done
+        python3 benches/compare.py --latency "$lat_dir" || status=1
+    done
+fi
 
 exit "$status"

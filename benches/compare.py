@@ -2,6 +2,8 @@
 """Side-by-side all-reduce comparison of braid against Open MPI.
 
 Usage: compare.py BRAID_JSON MPI_JSON
+       compare.py --latency DIR
+
 
 Both files hold one sweep in the same schema (written by `braid perf --json`
 and by benches/mpi/allreduce_mpi -j):
@@ -14,6 +16,11 @@ and by benches/mpi/allreduce_mpi -j):
 
 Rows are matched by size; the out-of-place figures are compared. The exit
 status is 1 if either file reports a wrong element, 2 on unreadable input.
+
+With --latency, DIR holds rounds of one small size run alternately by both
+tools (braid-R.json and mpi-R.json for R = 1, 2, ...); for each tool and
+variant (out-of-place, in-place) it prints the minimum and the median time
+over the rounds, and the ratios of braid's to MPI's.
 """
 
 import json
@@ -87,10 +94,66 @@ def ratio(a, b):
     return a / b
 
 
+def latency(directory):
+    """The --latency report (see the module docs)."""
+    import os
+    import statistics
+
+    rounds = {}
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError as e:
+        die(f"cannot read {directory}: {e}")
+    for name in names:
+        tool, _, rest = name.partition("-")
+        if tool in ("braid", "mpi") and rest.endswith(".json") and rest[:-5].isdigit():
+            rounds.setdefault(int(rest[:-5]), {})[tool] = os.path.join(directory, name)
+    complete = [r for r in sorted(rounds) if len(rounds[r]) == 2]
+    if not complete:
+        die(f"{directory}: no round with both braid-R.json and mpi-R.json")
+    times = {(tool, v): [] for tool in ("braid", "mpi") for v in ("oop", "ip")}
+    size = None
+    any_wrong = False
+    for r in complete:
+        for tool in ("braid", "mpi"):
+            path = rounds[r][tool]
+            rows = load(path)["results"]
+            if len(rows) != 1:
+                die(f"{path}: a latency round holds one size, not {len(rows)}")
+            row = rows[0]
+            if size is None:
+                size = row.get("size")
+            elif row.get("size") != size:
+                die(f"{path}: size {row.get('size')!r}, other rounds {size!r}")
+            any_wrong |= bool(wrong_of(row))
+            for v in ("oop", "ip"):
+                t = num(row.get(v), "time_us")
+                if t is None:
+                    die(f"{path}: no {v} time")
+                times[(tool, v)].append(t)
+    print(f"# all-reduce of {size} B: us per call over {len(complete)} alternated rounds")
+    print("# braid/mpi > 1 means braid is slower")
+    headers = [("variant", 12), ("braid min", 10), ("mpi min", 10), ("braid/mpi", 10),
+               ("braid median", 12), ("mpi median", 10), ("braid/mpi", 10)]
+    print("  ".join(f"{h:>{w}}" for h, w in headers))
+    for v, label in (("oop", "out-of-place"), ("ip", "in-place")):
+        b, m = times[("braid", v)], times[("mpi", v)]
+        cells = [label, fmt(min(b), ".3f"), fmt(min(m), ".3f"), fmt(ratio(min(b), min(m)), ".2f"),
+                 fmt(statistics.median(b), ".3f"), fmt(statistics.median(m), ".3f"),
+                 fmt(ratio(statistics.median(b), statistics.median(m)), ".2f")]
+        print("  ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, headers)))
+    if any_wrong:
+        print("compare: FAILED: wrong results reported", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv):
     if len(argv) == 2 and argv[1] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
+    if len(argv) == 3 and argv[1] == "--latency":
+        return latency(argv[2])
     if len(argv) != 3:
         print(__doc__.strip(), file=sys.stderr)
         return 2
