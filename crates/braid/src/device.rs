@@ -214,7 +214,9 @@ impl Communicator {
             Ok(SetupCtx {
                 geometry,
                 secret: inner.secret,
-                nonce: u64::from_le_bytes(nonce[..8].try_into().expect("8 bytes")),
+                nonce: u64::from_le_bytes([
+                    nonce[0], nonce[1], nonce[2], nonce[3], nonce[4], nonce[5], nonce[6], nonce[7],
+                ]),
                 policy,
                 deadline,
             })
@@ -609,16 +611,20 @@ impl DeviceCommunicator {
             return Err(e);
         }
         let mut worker = self.worker.lock();
-        if worker.is_none() {
-            let (tx, rx) = mpsc::channel::<Task>();
-            let shared = self.shared.clone();
-            let handle = std::thread::Builder::new()
-                .name(format!("braid-device-{}", self.rank))
-                .spawn(move || shared.serve(rx))
-                .map_err(|e| Error::io("starting the device communicator's worker thread", e))?;
-            *worker = Some(Worker { tx, handle });
-        }
-        let w = worker.as_ref().expect("just set");
+        let w = match &mut *worker {
+            Some(w) => w,
+            None => {
+                let (tx, rx) = mpsc::channel::<Task>();
+                let shared = self.shared.clone();
+                let handle = std::thread::Builder::new()
+                    .name(format!("braid-device-{}", self.rank))
+                    .spawn(move || shared.serve(rx))
+                    .map_err(|e| {
+                        Error::io("starting the device communicator's worker thread", e)
+                    })?;
+                worker.insert(Worker { tx, handle })
+            }
+        };
         self.shared.queued.fetch_add(1, Ordering::AcqRel);
         if let Err(mpsc::SendError(task)) = w.tx.send(Task { op, gate, signal }) {
             self.shared.queued.fetch_sub(1, Ordering::AcqRel);
