@@ -195,6 +195,12 @@ pub trait Engine: Send {
     /// the operands or touch the destination meanwhile.
     unsafe fn submit(&mut self, kernel: &Kernel<'_>) -> Result<Option<Ticket>, Error>;
 
+    /// Whether every kernel completes when [`Engine::submit`] returns (never a ticket): then a blocking
+    /// all-reduce of one message per peer runs in one straight pass.
+    fn synchronous(&self) -> bool {
+        false
+    }
+
     /// Whether `ticket` has completed (every ticket issued before it has too).
     fn complete(&mut self, ticket: Ticket) -> Result<bool, Error>;
 
@@ -288,6 +294,10 @@ impl Engine for CpuEngine {
 
     fn accepts(&self, kind: MemKind) -> bool {
         kind == MemKind::Host
+    }
+
+    fn synchronous(&self) -> bool {
+        true
     }
 
     unsafe fn submit(&mut self, kernel: &Kernel<'_>) -> Result<Option<Ticket>, Error> {

@@ -10,7 +10,7 @@ use std::time::Instant;
 use braid_core::{Config, DType, Error, ReduceOp};
 use braid_exec::{CpuEngine, Plan, Progress, Run, Settings, Wait};
 use braid_sched::Algo;
-use braid_transport::{Link, Span};
+use braid_transport::{coarse_now, Link, Span};
 use tracing::{error, trace};
 
 use crate::recorder::Recorder;
@@ -263,7 +263,7 @@ impl Executor {
                 self.seqs.len()
             )));
         };
-        let started = Instant::now();
+        let started = coarse_now();
         let (algo, run) = match self.custom_plan(op) {
             Some(plan) => (
                 Algo::Direct,
@@ -313,7 +313,7 @@ impl Executor {
         let Some(seq) = self.seqs.get(stream).copied() else {
             return Err(Error::invalid(format!("stream {stream} does not exist")));
         };
-        let started = Instant::now();
+        let started = coarse_now();
         let custom = self.custom_plan(op);
         let algo = match custom {
             Some(_) => Algo::Direct,
@@ -365,7 +365,12 @@ impl Executor {
     }
 
     fn record(&self, stream: usize, seq: u64, started: Instant, result: &Result<(), Error>) {
-        self.recorder.finish(stream, seq, result, started.elapsed());
+        self.recorder.finish(
+            stream,
+            seq,
+            result,
+            coarse_now().saturating_duration_since(started),
+        );
         if let Err(e) = result {
             if self.config.dump_on_timeout && !e.is_invalid_argument() {
                 error!("rank {} {}", self.rank, self.recorder.dump());

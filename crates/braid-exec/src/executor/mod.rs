@@ -22,6 +22,7 @@ use braid_transport::{Event, Link, RecvSlot, SendSlot, Span};
 
 use crate::engine::{Engine, Operand, Scratch, Ticket};
 
+mod eager;
 mod step;
 use crate::fingerprint::Fingerprint;
 use step::{flush, local_step, run_ctx};
@@ -104,13 +105,20 @@ pub struct Settings {
 pub struct Plan {
     actions: Vec<Action>,
     scratch: bool,
+    /// One eager round (`eager::is_eager`).
+    eager: bool,
 }
 
 impl Plan {
     /// A plan of these actions.
     pub fn new(actions: Vec<Action>) -> Plan {
         let scratch = actions.iter().any(|a| matches!(a, Action::LoadAcc { .. }));
-        Plan { actions, scratch }
+        let eager = eager::is_eager(&actions);
+        Plan {
+            actions,
+            scratch,
+            eager,
+        }
     }
 
     /// The actions.
@@ -569,7 +577,8 @@ impl<E: Engine + ?Sized> Executor<E> {
     }
 
     /// Starts `op` and runs it to the end on this thread: [`Executor::start`] and
-    /// [`Executor::run_blocking`] in one, with the run kept in place (the 8-byte path). `on_start` is
+    /// [`Executor::run_blocking`] in one, with the run kept in place; a small all-reduce of one message
+    /// per peer takes the eager path (`eager.rs`: the same plan in one straight pass, the 8-byte path). `on_start` is
     /// called once the op has been accepted (not for one refused with an invalid-argument error).
     pub fn run_op(
         &mut self,
@@ -580,9 +589,22 @@ impl<E: Engine + ?Sized> Executor<E> {
         started: Instant,
         on_start: impl FnOnce(),
     ) -> Result<(), Error> {
-        let mut run = self.start(op, algo, channel, seq, started)?;
+        let plan = self.plan(&op, algo);
+        if self.eager_fits(&op, &plan) {
+            self.check_op(&op, channel)?;
+            on_start();
+            return self.run_eager(&op, &plan, channel, seq, started);
+        }
+        let mut run = self.start_plan(op, plan, channel, seq, started)?;
         on_start();
         self.run_blocking(&mut run)
+    }
+
+    /// Whether [`Executor::run_op`] runs `op` with `algo` on the eager path (one message per peer,
+    /// the plan's actions in one straight pass).
+    pub fn runs_eager(&mut self, op: &Op, algo: Algo) -> bool {
+        let plan = self.plan(op, algo);
+        self.eager_fits(op, &plan)
     }
 
     /// Runs `run` to the end on this thread, sleeping on the link or the engine between polls.

@@ -24,7 +24,7 @@ fn out_of_bounds(what: &str, r: &Range<usize>, es: usize, len: usize) -> Error {
 }
 
 /// Elements `r` of `span` at `size` bytes each.
-fn view(span: &Span, what: &str, r: &Range<usize>, size: usize) -> Result<Span, Error> {
+pub(super) fn view(span: &Span, what: &str, r: &Range<usize>, size: usize) -> Result<Span, Error> {
     let (a, b) = bytes(r, size);
     span.sub(a, b)
         .ok_or_else(|| out_of_bounds(what, r, size, span.len()))
@@ -84,6 +84,62 @@ pub(super) fn local_step<E: Engine + ?Sized>(engine: &mut E, run: &mut Run, a: &
             "a one-rank schedule only copies, got {other:?}"
         ))),
     }
+}
+
+/// Refuses a received message the engine cannot read or (with `tag`) that belongs to another
+/// collective; the caller releases it.
+pub(super) fn accept<E: Engine + ?Sized>(
+    engine: &E,
+    slot: &RecvSlot,
+    tag: Option<u32>,
+    rank: usize,
+    op: &super::Op,
+    seq: u64,
+) -> Result<(), Error> {
+    if !slot.is_empty() && !engine.accepts(slot.span().kind()) {
+        return Err(Error::Internal(format!(
+            "a message from rank {} arrived in {}, which the {} engine cannot read",
+            slot.peer(),
+            slot.span().kind().describe(),
+            engine.name()
+        )));
+    }
+    match tag {
+        Some(want) if slot.tag() != want => Err(Error::Mismatch {
+            rank,
+            peer: slot.peer(),
+            collective: op.collective.name().to_string(),
+            seq,
+            detail: format!(
+                "message belongs to collective #{}, this rank is at #{want}",
+                slot.tag()
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Refuses a received message of another length than `want` bytes.
+pub(super) fn check_len(
+    slot: &RecvSlot,
+    want: usize,
+    rank: usize,
+    op: &super::Op,
+    seq: u64,
+) -> Result<(), Error> {
+    if slot.len() == want {
+        return Ok(());
+    }
+    Err(Error::Mismatch {
+        rank,
+        peer: slot.peer(),
+        collective: op.collective.name().to_string(),
+        seq,
+        detail: format!(
+            "received {} bytes where {want} were expected (different counts or dtypes?)",
+            slot.len()
+        ),
+    })
 }
 
 /// Does every deferred post and release whose kernel has completed.
@@ -159,28 +215,10 @@ impl<E: Engine + ?Sized> Cx<'_, E> {
         let Some(slot) = self.link.try_recv(peer, run.channel, &self.ctx(run))? else {
             return Ok(false);
         };
-        if !slot.is_empty() && !self.engine.accepts(slot.span().kind()) {
-            let kind = slot.span().kind();
+        let tag = tagged.then_some(run.tag);
+        if let Err(e) = accept(&*self.engine, &slot, tag, self.rank, &run.op, run.seq) {
             let _ = self.link.release(slot);
-            return Err(Error::Internal(format!(
-                "a message from rank {peer} arrived in {}, which the {} engine cannot read",
-                kind.describe(),
-                self.engine.name()
-            )));
-        }
-        if tagged && slot.tag() != run.tag {
-            let tag = slot.tag();
-            let _ = self.link.release(slot);
-            return Err(Error::Mismatch {
-                rank: self.rank,
-                peer,
-                collective: run.op.collective.name().to_string(),
-                seq: run.seq,
-                detail: format!(
-                    "message belongs to collective #{tag}, this rank is at #{}",
-                    run.tag
-                ),
-            });
+            return Err(e);
         }
         run.rx[idx] = Some(slot);
         Ok(true)
@@ -210,18 +248,7 @@ impl<E: Engine + ?Sized> Cx<'_, E> {
         let Some(slot) = run.rx.get(idx).and_then(Option::as_ref) else {
             return Err(Error::Internal("no message held".into()));
         };
-        if slot.len() != want {
-            return Err(Error::Mismatch {
-                rank: self.rank,
-                peer: slot.peer(),
-                collective: run.op.collective.name().to_string(),
-                seq: run.seq,
-                detail: format!(
-                    "received {} bytes where {want} were expected (different counts or dtypes?)",
-                    slot.len()
-                ),
-            });
-        }
+        check_len(slot, want, self.rank, &run.op, run.seq)?;
         Ok(slot.span())
     }
 
@@ -581,7 +608,7 @@ impl<E: Engine + ?Sized> Cx<'_, E> {
 
 /// Below this many bytes a send is copied into the slot without asking the link: the copy is as cheap
 /// as the question.
-const DIRECT_MIN_BYTES: usize = 4096;
+pub(super) const DIRECT_MIN_BYTES: usize = 4096;
 
 /// Whether two spans share a byte.
 fn overlap(a: &Span, b: &Span) -> bool {

@@ -1,0 +1,300 @@
+//! The eager path (a small all-reduce of one message per peer, run in one straight pass by
+//! `Executor::run_op`) against the resumable walk of the same plan: the same bytes for every dtype,
+//! reduction, rank count and size it takes, in and out of place, and the same failures.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use braid_core::{DType, Error, ReduceOp};
+use braid_exec::{CpuEngine, Executor, Op, Settings};
+use braid_sched::{Algo, Collective};
+use braid_transport::mem::MemNet;
+use braid_transport::{Link, Span};
+
+const SLOT: usize = 4096;
+
+fn exec(net: &MemNet, rank: usize, world: usize, timeout: Duration) -> Executor<CpuEngine> {
+    let link: Box<dyn Link> = Box::new(net.link(rank));
+    Executor::new(
+        rank,
+        world,
+        Settings {
+            timeout,
+            debug_checks: false,
+            rings: 1,
+        },
+        Some(link),
+        Box::new(CpuEngine::new()),
+        Arc::new(AtomicBool::new(false)),
+    )
+}
+
+fn op(dtype: DType, redop: ReduceOp, count: usize, send: Span, recv: Span) -> Op {
+    Op {
+        collective: Collective::AllReduce,
+        root: 0,
+        dtype,
+        redop,
+        count,
+        send,
+        recv,
+    }
+}
+
+/// Bytes that are a valid, varied input of `dtype` (small values, so products stay finite).
+fn input(dtype: DType, count: usize, rank: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ rank as u64;
+    let mut out = Vec::with_capacity(count * dtype.size());
+    for _ in 0..count {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let v = ((x >> 33) % 7) as f64 - 3.0 + rank as f64 * 0.5;
+        let bytes: Vec<u8> = match dtype {
+            DType::F32 => (v as f32).to_le_bytes().to_vec(),
+            DType::F64 => v.to_le_bytes().to_vec(),
+            DType::F16 => half::f16::from_f64(v).to_le_bytes().to_vec(),
+            DType::BF16 => half::bf16::from_f64(v).to_le_bytes().to_vec(),
+            _ => {
+                let w = (x >> 40) as i64 % 5 - 2 + rank as i64;
+                w.to_le_bytes()[..dtype.size()].to_vec()
+            }
+        };
+        out.extend_from_slice(&bytes);
+    }
+    out
+}
+
+/// Runs one all-reduce on every rank (a thread each), eager or through the walk, in place or not;
+/// the outputs (or the errors).
+fn all_reduce(
+    world: usize,
+    dtype: DType,
+    redop: ReduceOp,
+    count: usize,
+    in_place: bool,
+    eager: bool,
+    seed: u64,
+) -> Vec<Result<Vec<u8>, Error>> {
+    let net = MemNet::new(world, 1, 2, SLOT);
+    let timeout = Duration::from_secs(20);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|r| {
+                let net = &net;
+                s.spawn(move || {
+                    let mut ex = exec(net, r, world, timeout);
+                    let ins = input(dtype, count, r, seed);
+                    let mut out = if in_place {
+                        ins.clone()
+                    } else {
+                        vec![0u8; ins.len()]
+                    };
+                    // SAFETY: `ins` and `out` outlive the call and nothing else touches them meanwhile.
+                    let (send, recv) = unsafe {
+                        let recv = Span::host(out.as_mut_ptr(), out.len());
+                        let send = if in_place {
+                            recv
+                        } else {
+                            Span::host(ins.as_ptr() as *mut u8, ins.len())
+                        };
+                        (send, recv)
+                    };
+                    let o = op(dtype, redop, count, send, recv);
+                    assert!(ex.runs_eager(&o, Algo::Direct));
+                    let now = Instant::now();
+                    let r = if eager {
+                        ex.run_op(o, Algo::Direct, 0, 3, now, || {})
+                    } else {
+                        ex.start(o, Algo::Direct, 0, 3, now)
+                            .and_then(|mut run| ex.run_blocking(&mut run))
+                    };
+                    r.map(|()| out)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn the_eager_path_is_the_walk_to_the_bit() {
+    let mut cases = 0;
+    for world in [2, 3, 5] {
+        for dtype in DType::ALL {
+            for redop in ReduceOp::ALL {
+                // One message per peer: the schedule cuts at a slot of accumulator elements.
+                let max = SLOT / dtype.accumulator().size();
+                for count in [1, 3, 17, max] {
+                    for in_place in [false, true] {
+                        let seed = (world * 1000 + count) as u64;
+                        let eager = all_reduce(world, dtype, redop, count, in_place, true, seed);
+                        let walk = all_reduce(world, dtype, redop, count, in_place, false, seed);
+                        for (r, (e, w)) in eager.iter().zip(&walk).enumerate() {
+                            let (e, w) = (e.as_ref().unwrap(), w.as_ref().unwrap());
+                            assert_eq!(
+                                e, w,
+                                "{world} ranks, {dtype} {redop:?} × {count}, in place {in_place}, rank {r}"
+                            );
+                        }
+                        cases += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(cases, 3 * DType::ALL.len() * ReduceOp::ALL.len() * 4 * 2);
+}
+
+#[test]
+fn only_small_direct_all_reduces_without_checks_take_it() {
+    let net = MemNet::new(2, 1, 2, 1 << 16);
+    let mut ex = exec(&net, 0, 2, Duration::from_secs(1));
+    let mut buf = vec![0u8; 1 << 16];
+    // SAFETY: the spans are only inspected, never run.
+    let s = unsafe { Span::host(buf.as_mut_ptr(), buf.len()) };
+    let small = op(
+        DType::F32,
+        ReduceOp::Sum,
+        1024,
+        s.prefix(4096).unwrap(),
+        s.prefix(4096).unwrap(),
+    );
+    assert!(ex.runs_eager(&small, Algo::Direct));
+    // More than one small message per peer, or another schedule: the walk.
+    let large = op(
+        DType::F32,
+        ReduceOp::Sum,
+        1025,
+        s.prefix(4100).unwrap(),
+        s.prefix(4100).unwrap(),
+    );
+    assert!(!ex.runs_eager(&large, Algo::Direct));
+    for algo in [Algo::Ring, Algo::Tree, Algo::Rhd] {
+        assert!(!ex.runs_eager(&small, algo), "{algo:?}");
+    }
+    // With fingerprints exchanged first.
+    let link: Box<dyn Link> = Box::new(net.link(1));
+    let mut checked: Executor<CpuEngine> = Executor::new(
+        1,
+        2,
+        Settings {
+            timeout: Duration::from_secs(1),
+            debug_checks: true,
+            rings: 1,
+        },
+        Some(link),
+        Box::new(CpuEngine::new()),
+        Arc::new(AtomicBool::new(false)),
+    );
+    assert!(!checked.runs_eager(&small, Algo::Direct));
+}
+
+#[test]
+fn eager_failures_name_what_went_wrong_and_leave_the_rings_whole() {
+    // Ranks that disagree on the collective's number: a mismatch on each side.
+    let net = MemNet::new(2, 1, 2, SLOT);
+    let errs: Vec<Error> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let net = &net;
+                s.spawn(move || {
+                    let mut ex = exec(net, r, 2, Duration::from_secs(10));
+                    let mut buf = vec![1u8; 8];
+                    // SAFETY: `buf` outlives the call.
+                    let sp = unsafe { Span::host(buf.as_mut_ptr(), 8) };
+                    let o = op(DType::F32, ReduceOp::Sum, 2, sp, sp);
+                    ex.run_op(o, Algo::Direct, 0, 10 + r as u64, Instant::now(), || {})
+                        .unwrap_err()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (r, e) in errs.iter().enumerate() {
+        assert!(
+            matches!(e, Error::Mismatch { rank, peer, .. } if *rank == r && *peer == 1 - r),
+            "{e}"
+        );
+        assert!(e.to_string().contains("belongs to collective"), "{e}");
+    }
+    // Every message was read (and released) although both failed.
+    assert_eq!(net.traffic().unread, 0);
+
+    // Counts that differ: a length mismatch.
+    let net = MemNet::new(2, 1, 2, SLOT);
+    let errs: Vec<Error> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let net = &net;
+                s.spawn(move || {
+                    let mut ex = exec(net, r, 2, Duration::from_secs(10));
+                    let count = 2 + r;
+                    let mut buf = vec![1u8; 4 * count];
+                    // SAFETY: `buf` outlives the call.
+                    let sp = unsafe { Span::host(buf.as_mut_ptr(), buf.len()) };
+                    let o = op(DType::F32, ReduceOp::Sum, count, sp, sp);
+                    ex.run_op(o, Algo::Direct, 0, 1, Instant::now(), || {})
+                        .unwrap_err()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in &errs {
+        assert!(e.to_string().contains("bytes where"), "{e}");
+    }
+
+    // A peer that never comes: a timeout naming it; a killed one: it failed.
+    let net = MemNet::new(3, 1, 2, SLOT);
+    let mut ex = exec(&net, 0, 3, Duration::from_millis(200));
+    let mut buf = vec![0u8; 8];
+    // SAFETY: `buf` outlives the call.
+    let sp = unsafe { Span::host(buf.as_mut_ptr(), 8) };
+    let e = ex
+        .run_op(
+            op(DType::F32, ReduceOp::Sum, 2, sp, sp),
+            Algo::Direct,
+            0,
+            0,
+            Instant::now(),
+            || {},
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Timeout {
+                rank: 0,
+                peer: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let net = MemNet::new(2, 1, 2, SLOT);
+    net.kill(1);
+    let mut ex = exec(&net, 0, 2, Duration::from_secs(10));
+    let e = ex
+        .run_op(
+            op(DType::F32, ReduceOp::Sum, 2, sp, sp),
+            Algo::Direct,
+            0,
+            0,
+            Instant::now(),
+            || {},
+        )
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::PeerFailed {
+                rank: 0,
+                peer: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+}
