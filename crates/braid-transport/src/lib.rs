@@ -54,4 +54,4 @@ pub use memory::{MemKind, Span};
 pub use registry::{check_world, transport_names, transports, TransportChoice};
 pub use router::Router;
 pub use setup::{Connecting, Endpoint, Geometry, Peer, Setup, SetupCtx};
-pub use wait::{coarse_now, peer_alive, peer_stopped, PeerProcess, WaitCtx, WaitPolicy};
+pub use wait::{peer_alive, peer_stopped, PeerProcess, Stamp, WaitCtx, WaitPolicy};

@@ -311,8 +311,26 @@ pub(crate) fn misuse(link: &str, what: String) -> Error {
     Error::Internal(format!("{link} link: {what}"))
 }
 
-/// Checks that `slot` is this link's and the one due: `msg == due`.
+/// Checks that `slot` is this link's and the one due: `msg == due`. Inlined: on every post and
+/// release, where the check is two comparisons and the message is built only when it fails.
+#[inline]
 pub(crate) fn check_token(
+    name: &str,
+    id: LinkId,
+    token: LinkId,
+    msg: u32,
+    due: u32,
+    what: &str,
+) -> Result<(), Error> {
+    if token == id && msg == due {
+        return Ok(());
+    }
+    token_error(name, id, token, msg, due, what)
+}
+
+#[cold]
+#[inline(never)]
+fn token_error(
     name: &str,
     id: LinkId,
     token: LinkId,

@@ -75,22 +75,46 @@ impl WaitCtx<'_> {
     }
 }
 
-/// The time to within one tick of the kernel's clock (1 to 4 ms), at a fraction of the cost of
-/// [`Instant::now`]: what an op's start and deadline are taken from on the 8-byte path, where a
-/// collective's timeout is seconds and reading the precise clock twice per call is measurable.
-///
-/// It is `CLOCK_MONOTONIC_COARSE` (the same timeline as `Instant`, read from the last tick) placed on
-/// `Instant`'s scale by one precise reading taken on the first call; the result differs from
-/// `Instant::now()` by less than one tick either way, and never goes backwards.
-pub fn coarse_now() -> Instant {
-    static BASE: std::sync::OnceLock<(Instant, Duration)> = std::sync::OnceLock::new();
-    let (base, at) = *BASE.get_or_init(|| (Instant::now(), coarse_clock()));
-    base + coarse_clock().saturating_sub(at)
-}
+/// A reading of the kernel's coarse monotonic clock (`CLOCK_MONOTONIC_COARSE`, in nanoseconds): the
+/// time to within one tick (1 to 4 ms) at a fraction of the cost of [`Instant::now`]. An op's start
+/// and deadline are taken from it on the 8-byte path, where a collective's timeout is seconds and
+/// reading the precise clock twice per call is measurable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Stamp(u64);
 
-fn coarse_clock() -> Duration {
-    let t = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
-    Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+impl Stamp {
+    /// Now.
+    #[inline]
+    pub fn now() -> Stamp {
+        let t = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
+        Stamp(t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64)
+    }
+
+    /// The reading, in nanoseconds.
+    #[inline]
+    pub fn as_nanos(self) -> u64 {
+        self.0
+    }
+
+    /// Nanoseconds from `earlier` to this stamp (0 if `earlier` is later).
+    #[inline]
+    pub fn nanos_since(self, earlier: Stamp) -> u64 {
+        self.0.saturating_sub(earlier.0)
+    }
+
+    /// The stamp on [`Instant`]'s scale: the coarse clock is `Instant`'s timeline read at the last
+    /// tick, placed by one precise reading taken on the first call. The result differs from what
+    /// `Instant::now()` said at the stamp by less than one tick either way.
+    pub fn instant(self) -> Instant {
+        static BASE: std::sync::OnceLock<(Instant, Stamp)> = std::sync::OnceLock::new();
+        let (base, at) = *BASE.get_or_init(|| (Instant::now(), Stamp::now()));
+        if self >= at {
+            base + Duration::from_nanos(self.nanos_since(at))
+        } else {
+            base.checked_sub(Duration::from_nanos(at.nanos_since(self)))
+                .unwrap_or(base)
+        }
+    }
 }
 
 /// Whether process `pid` on this host still runs (a zombie counts as dead).
@@ -147,17 +171,20 @@ pub(crate) fn wait_until(
         }
     }
     let start = Instant::now();
-    let mut i = 0u32;
-    loop {
-        std::hint::spin_loop();
-        if ready() {
-            return Ok(());
-        }
-        i += 1;
-        if i % 64 == 0 && start.elapsed() >= policy.spin {
-            break;
+    if !policy.spin.is_zero() {
+        let mut i = 0u32;
+        loop {
+            std::hint::spin_loop();
+            if ready() {
+                return Ok(());
+            }
+            i += 1;
+            if i % 64 == 0 && start.elapsed() >= policy.spin {
+                break;
+            }
         }
     }
+    // With no spin (more ranks than cores), the peer waited for needs this core: hand it over at once.
     let yield_end = policy.spin + policy.yield_for;
     while start.elapsed() < yield_end {
         std::thread::yield_now();
@@ -268,10 +295,10 @@ mod tests {
         // A tick is at most 10 ms (HZ >= 100); the coarse clock lags the precise one by up to a tick
         // and its base reading may sit a tick either way.
         let tick = Duration::from_millis(10);
-        let mut last = coarse_now();
+        let mut last = Stamp::now().instant();
         for _ in 0..200 {
             let before = Instant::now();
-            let c = coarse_now();
+            let c = Stamp::now().instant();
             let after = Instant::now();
             assert!(
                 c + tick >= before && c <= after + tick,
@@ -279,6 +306,13 @@ mod tests {
             );
             assert!(c >= last, "the coarse clock went backwards");
             last = c;
+            let (a, b) = (Stamp::now(), Stamp::now());
+            assert!(b >= a && b.nanos_since(a) < tick.as_nanos() as u64);
+            assert_eq!(
+                a.nanos_since(b),
+                0,
+                "a later stamp is no time before an earlier one"
+            );
             std::thread::sleep(Duration::from_micros(300));
         }
     }

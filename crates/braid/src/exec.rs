@@ -10,7 +10,7 @@ use std::time::Instant;
 use braid_core::{Config, DType, Error, ReduceOp};
 use braid_exec::{CpuEngine, Plan, Progress, Run, Settings, Wait};
 use braid_sched::Algo;
-use braid_transport::{coarse_now, Link, Span};
+use braid_transport::{Link, Span, Stamp};
 use tracing::{error, trace};
 
 use crate::recorder::Recorder;
@@ -185,6 +185,8 @@ unsafe impl Sync for Op {}
 /// A started op.
 pub(crate) struct Running {
     run: Run,
+    /// When it started, as recorded.
+    stamp: Stamp,
 }
 
 impl Running {
@@ -263,7 +265,8 @@ impl Executor {
                 self.seqs.len()
             )));
         };
-        let started = coarse_now();
+        let stamp = Stamp::now();
+        let started = stamp.instant();
         let (algo, run) = match self.custom_plan(op) {
             Some(plan) => (
                 Algo::Direct,
@@ -278,8 +281,8 @@ impl Executor {
         };
         self.seqs[stream] += 1;
         trace!(rank = self.rank, stream, seq, op = op.kind.name(), count = op.count, dtype = %op.dtype, algo = algo.name(), "run");
-        self.recorder.start(stream, seq, op, algo, started);
-        Ok(Running { run })
+        self.recorder.start(stream, seq, op, algo, stamp);
+        Ok(Running { run, stamp })
     }
 
     /// Advances a started op by at most `budget` steps; records how it ended when it does.
@@ -313,7 +316,8 @@ impl Executor {
         let Some(seq) = self.seqs.get(stream).copied() else {
             return Err(Error::invalid(format!("stream {stream} does not exist")));
         };
-        let started = coarse_now();
+        let stamp = Stamp::now();
+        let started = stamp.instant();
         let custom = self.custom_plan(op);
         let algo = match custom {
             Some(_) => Algo::Direct,
@@ -325,7 +329,7 @@ impl Executor {
         let (seqs, recorder) = (&mut self.seqs, &self.recorder);
         let mut on_start = || {
             seqs[stream] += 1;
-            recorder.start(stream, seq, op, algo, started);
+            recorder.start(stream, seq, op, algo, stamp);
         };
         let result = match custom {
             Some(plan) => match self.exec.start_plan(op.spec, plan, stream, seq, started) {
@@ -341,7 +345,7 @@ impl Executor {
         };
         if self.seqs[stream] != seq {
             // It started (and was recorded): record how it ended.
-            self.record(stream, seq, started, &result);
+            self.record(stream, seq, stamp, &result);
         }
         result
     }
@@ -361,16 +365,12 @@ impl Executor {
     }
 
     fn finish(&self, r: &Running, result: &Result<(), Error>) {
-        self.record(r.run.channel(), r.run.seq(), r.run.started(), result);
+        self.record(r.run.channel(), r.run.seq(), r.stamp, result);
     }
 
-    fn record(&self, stream: usize, seq: u64, started: Instant, result: &Result<(), Error>) {
-        self.recorder.finish(
-            stream,
-            seq,
-            result,
-            coarse_now().saturating_duration_since(started),
-        );
+    fn record(&self, stream: usize, seq: u64, started: Stamp, result: &Result<(), Error>) {
+        self.recorder
+            .finish(stream, seq, result, Stamp::now().nanos_since(started));
         if let Err(e) = result {
             if self.config.dump_on_timeout && !e.is_invalid_argument() {
                 error!("rank {} {}", self.rank, self.recorder.dump());

@@ -5,9 +5,10 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, SystemTime};
 
 use braid_core::{DType, Error};
+use braid_transport::Stamp;
 use parking_lot::Mutex;
 
 use crate::exec::Op;
@@ -87,7 +88,7 @@ struct Entry {
     count: AtomicU64,
     /// Collective index, dtype, algorithm and state, a byte each.
     what: AtomicU64,
-    /// Start, in nanoseconds after the recorder was made.
+    /// Start, a coarse [`Stamp`] in nanoseconds.
     started: AtomicU64,
     /// Nanoseconds it ran (when finished).
     elapsed: AtomicU64,
@@ -110,7 +111,6 @@ struct Raw {
 }
 
 struct Shared {
-    base: Instant,
     entries: Box<[Entry]>,
     /// Records started so far (the next record's ordinal).
     head: AtomicU64,
@@ -131,17 +131,12 @@ impl Default for Recorder {
     fn default() -> Self {
         Recorder {
             shared: Arc::new(Shared {
-                base: Instant::now(),
                 entries: (0..CAPACITY).map(|_| Entry::default()).collect(),
                 head: AtomicU64::new(0),
                 failures: Mutex::new(VecDeque::new()),
             }),
         }
     }
-}
-
-fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 impl Recorder {
@@ -187,7 +182,7 @@ impl Recorder {
         None
     }
 
-    pub(crate) fn start(&self, stream: usize, seq: u64, op: &Op, algo: Algo, started: Instant) {
+    pub(crate) fn start(&self, stream: usize, seq: u64, op: &Op, algo: Algo, started: Stamp) {
         let ordinal = self.shared.head.load(Ordering::Relaxed);
         let what = op.kind.collective().index() as u64
             | (op.dtype as u64) << 8
@@ -199,7 +194,7 @@ impl Recorder {
             seq,
             count: op.count as u64,
             what,
-            started: nanos(started.saturating_duration_since(self.shared.base)),
+            started: started.as_nanos(),
             elapsed: 0,
         });
         self.shared.head.store(ordinal + 1, Ordering::Release);
@@ -210,7 +205,7 @@ impl Recorder {
         stream: usize,
         seq: u64,
         result: &Result<(), Error>,
-        elapsed: Duration,
+        elapsed_ns: u64,
     ) {
         let head = self.shared.head.load(Ordering::Relaxed);
         let first = head.saturating_sub(CAPACITY as u64);
@@ -241,7 +236,7 @@ impl Recorder {
                 count: e.count.load(Ordering::Relaxed),
                 what,
                 started: e.started.load(Ordering::Relaxed),
-                elapsed: nanos(elapsed),
+                elapsed: elapsed_ns,
             });
             return;
         }
@@ -251,14 +246,14 @@ impl Recorder {
     pub fn snapshot(&self) -> Vec<FlightRecord> {
         let head = self.shared.head.load(Ordering::Acquire);
         let first = head.saturating_sub(CAPACITY as u64);
-        let (now_wall, now) = (SystemTime::now(), Instant::now());
+        let (now_wall, now) = (SystemTime::now(), Stamp::now().as_nanos());
         let failures = self.shared.failures.lock().clone();
         (first..head)
             .filter_map(|ordinal| self.read((ordinal % CAPACITY as u64) as usize))
             // An entry already reused by a newer record is left out here and shown in its turn.
             .filter(|raw| raw.ordinal >= first && raw.ordinal < head)
             .map(|raw| {
-                let started = self.shared.base + Duration::from_nanos(raw.started);
+                let ran = Duration::from_nanos(now.saturating_sub(raw.started));
                 let byte = |k: u32| (raw.what >> (8 * k)) as u8;
                 let state = match byte(3) {
                     RUNNING => State::Running,
@@ -287,9 +282,9 @@ impl Recorder {
                         .iter()
                         .find(|a| **a as u8 == byte(2))
                         .map_or("?", |a| a.name()),
-                    started: now_wall - now.saturating_duration_since(started),
+                    started: now_wall.checked_sub(ran).unwrap_or(now_wall),
                     elapsed: if state == State::Running {
-                        now.saturating_duration_since(started)
+                        ran
                     } else {
                         Duration::from_nanos(raw.elapsed)
                     },
@@ -323,14 +318,14 @@ mod tests {
         let rec = Recorder::default();
         let op = Op::barrier();
         for seq in 0..(CAPACITY as u64 + 10) {
-            rec.start(0, seq, &op, Algo::Ring, Instant::now());
+            rec.start(0, seq, &op, Algo::Ring, Stamp::now());
             let res = if seq % 2 == 0 {
                 Ok(())
             } else {
                 Err(Error::invalid(format!("x{seq}")))
             };
             if seq != CAPACITY as u64 + 9 {
-                rec.finish(0, seq, &res, Duration::from_micros(3));
+                rec.finish(0, seq, &res, 3000);
             }
         }
         let snap = rec.snapshot();
@@ -362,9 +357,9 @@ mod tests {
                 }
             }
         });
-        let until = Instant::now() + Duration::from_secs(20);
+        let until = std::time::Instant::now() + Duration::from_secs(20);
         let mut seq = 0u64;
-        while seen.load(Ordering::Relaxed) < 50_000 && Instant::now() < until {
+        while seen.load(Ordering::Relaxed) < 50_000 && std::time::Instant::now() < until {
             // SAFETY: no memory at all (null with zero lengths).
             let op = unsafe {
                 Op::new(
@@ -378,8 +373,8 @@ mod tests {
                     0,
                 )
             };
-            rec.start(1, seq, &op, Algo::Direct, Instant::now());
-            rec.finish(1, seq, &Ok(()), Duration::from_nanos(seq));
+            rec.start(1, seq, &op, Algo::Direct, Stamp::now());
+            rec.finish(1, seq, &Ok(()), seq);
             seq += 1;
         }
         t.join().unwrap();

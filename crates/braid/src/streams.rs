@@ -476,7 +476,7 @@ impl Streams {
         {
             if self.incoming.is_empty() && sched.idle() {
                 // Nothing else in flight: straight through, no queue, no hand-off.
-                self.issued[stream].fetch_add(1, Ordering::AcqRel);
+                self.count_issued(stream);
                 let seq = sched.exec.next_seq(stream);
                 let r = catch_unwind(AssertUnwindSafe(|| sched.exec.run(&op, stream)))
                     .unwrap_or_else(|p| Err(panicked(self.rank, &op, seq, p)));
@@ -537,9 +537,16 @@ impl Streams {
         Ok(())
     }
 
+    /// Counts one more op issued on `stream`. Only the thread holding the turn ([`Streams::turn`])
+    /// issues, so a load and a store do (no read-modify-write on the 8-byte path).
+    fn count_issued(&self, stream: usize) {
+        let n = &self.issued[stream];
+        n.store(n.load(Ordering::Relaxed) + 1, Ordering::Release);
+    }
+
     fn push(&self, stream: usize, item: Item) {
         if matches!(item, Item::Op(_)) {
-            self.issued[stream].fetch_add(1, Ordering::AcqRel);
+            self.count_issued(stream);
         }
         self.incoming.push((stream, item));
     }

@@ -56,17 +56,16 @@ impl<E: Engine + ?Sized> Executor<E> {
             }
     }
 
-    /// Runs an eager plan (see [`Executor::eager_fits`]) to the end on this thread. The op has been
-    /// checked ([`Executor::check_op`]).
+    /// Runs the first cached plan, an eager one (see [`Executor::eager_fits`]), to the end on this
+    /// thread. The op has been checked ([`Executor::check_op`]).
     pub(super) fn run_eager(
         &mut self,
         op: &Op,
-        plan: &Plan,
         channel: usize,
         seq: u64,
         started: Instant,
     ) -> Result<(), Error> {
-        let Some(link) = self.link.as_deref() else {
+        let (Some(link), Some((_, plan))) = (self.link.as_deref(), self.plans.first()) else {
             return Err(Error::Internal("an eager plan without a link".into()));
         };
         let ctx = WaitCtx {

@@ -334,6 +334,12 @@ impl<E: Engine + ?Sized> Executor<E> {
 
     /// The cached plan for `op` run with `algo`.
     pub fn plan(&mut self, op: &Op, algo: Algo) -> Arc<Plan> {
+        self.cache_plan(op, algo);
+        self.plans[0].1.clone()
+    }
+
+    /// Puts the plan for `op` run with `algo` first in the cache (made if it is not there).
+    fn cache_plan(&mut self, op: &Op, algo: Algo) {
         let key = PlanKey {
             collective: op.collective,
             root: op.root,
@@ -346,7 +352,7 @@ impl<E: Engine + ?Sized> Executor<E> {
                 let hit = self.plans.remove(i);
                 self.plans.insert(0, hit);
             }
-            return self.plans[0].1.clone();
+            return;
         }
         let actions = if op.count == 0 && op.collective != Collective::Barrier {
             Vec::new()
@@ -364,9 +370,7 @@ impl<E: Engine + ?Sized> Executor<E> {
             })
         };
         self.plans.truncate(PLAN_CACHE - 1);
-        let plan = Arc::new(Plan::new(actions));
-        self.plans.insert(0, (key, plan.clone()));
-        plan
+        self.plans.insert(0, (key, Arc::new(Plan::new(actions))));
     }
 
     /// Starts `op` with `algo` on `channel` as the op numbered `seq` there.
@@ -589,12 +593,14 @@ impl<E: Engine + ?Sized> Executor<E> {
         started: Instant,
         on_start: impl FnOnce(),
     ) -> Result<(), Error> {
-        let plan = self.plan(&op, algo);
-        if self.eager_fits(&op, &plan) {
+        self.cache_plan(&op, algo);
+        if self.eager_fits(&op, &self.plans[0].1) {
             self.check_op(&op, channel)?;
             on_start();
-            return self.run_eager(&op, &plan, channel, seq, started);
+            // The plan stays in the cache (first), borrowed there: no reference count traffic.
+            return self.run_eager(&op, channel, seq, started);
         }
+        let plan = self.plans[0].1.clone();
         let mut run = self.start_plan(op, plan, channel, seq, started)?;
         on_start();
         self.run_blocking(&mut run)
@@ -603,8 +609,8 @@ impl<E: Engine + ?Sized> Executor<E> {
     /// Whether [`Executor::run_op`] runs `op` with `algo` on the eager path (one message per peer,
     /// the plan's actions in one straight pass).
     pub fn runs_eager(&mut self, op: &Op, algo: Algo) -> bool {
-        let plan = self.plan(op, algo);
-        self.eager_fits(op, &plan)
+        self.cache_plan(op, algo);
+        self.eager_fits(op, &self.plans[0].1)
     }
 
     /// Runs `run` to the end on this thread, sleeping on the link or the engine between polls.

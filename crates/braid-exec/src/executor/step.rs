@@ -17,6 +17,7 @@ fn bytes(r: &Range<usize>, size: usize) -> (usize, usize) {
     (r.start * size, r.end * size)
 }
 
+#[cold]
 fn out_of_bounds(what: &str, r: &Range<usize>, es: usize, len: usize) -> Error {
     Error::Internal(format!(
         "the schedule reaches {what} elements {r:?} ({es} bytes each) beyond its {len} bytes"
@@ -24,6 +25,7 @@ fn out_of_bounds(what: &str, r: &Range<usize>, es: usize, len: usize) -> Error {
 }
 
 /// Elements `r` of `span` at `size` bytes each.
+#[inline]
 pub(super) fn view(span: &Span, what: &str, r: &Range<usize>, size: usize) -> Result<Span, Error> {
     let (a, b) = bytes(r, size);
     span.sub(a, b)
@@ -88,7 +90,25 @@ pub(super) fn local_step<E: Engine + ?Sized>(engine: &mut E, run: &mut Run, a: &
 
 /// Refuses a received message the engine cannot read or (with `tag`) that belongs to another
 /// collective; the caller releases it.
+#[inline]
 pub(super) fn accept<E: Engine + ?Sized>(
+    engine: &E,
+    slot: &RecvSlot,
+    tag: Option<u32>,
+    rank: usize,
+    op: &super::Op,
+    seq: u64,
+) -> Result<(), Error> {
+    let readable = slot.is_empty() || engine.accepts(slot.span().kind());
+    if readable && tag.is_none_or(|t| t == slot.tag()) {
+        return Ok(());
+    }
+    refuse(engine, slot, tag, rank, op, seq)
+}
+
+#[cold]
+#[inline(never)]
+fn refuse<E: Engine + ?Sized>(
     engine: &E,
     slot: &RecvSlot,
     tag: Option<u32>,
@@ -120,6 +140,7 @@ pub(super) fn accept<E: Engine + ?Sized>(
 }
 
 /// Refuses a received message of another length than `want` bytes.
+#[inline]
 pub(super) fn check_len(
     slot: &RecvSlot,
     want: usize,
@@ -130,7 +151,13 @@ pub(super) fn check_len(
     if slot.len() == want {
         return Ok(());
     }
-    Err(Error::Mismatch {
+    Err(wrong_len(slot, want, rank, op, seq))
+}
+
+#[cold]
+#[inline(never)]
+fn wrong_len(slot: &RecvSlot, want: usize, rank: usize, op: &super::Op, seq: u64) -> Error {
+    Error::Mismatch {
         rank,
         peer: slot.peer(),
         collective: op.collective.name().to_string(),
@@ -139,7 +166,7 @@ pub(super) fn check_len(
             "received {} bytes where {want} were expected (different counts or dtypes?)",
             slot.len()
         ),
-    })
+    }
 }
 
 /// Does every deferred post and release whose kernel has completed.

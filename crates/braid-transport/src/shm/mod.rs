@@ -425,6 +425,11 @@ impl AbortHandle for Mappings {
     }
 }
 
+#[cold]
+fn no_ring(peer: usize, ch: usize) -> Error {
+    misuse("shm", format!("no ring to rank {peer} on channel {ch}"))
+}
+
 /// Per (peer, channel) counters of this rank, all wrapping.
 #[derive(Default)]
 struct Ring {
@@ -512,13 +517,11 @@ impl ShmLink {
     }
 
     /// The ring to or from `peer` on channel `ch`, and the peer's segment.
+    #[inline]
     fn ring(&self, peer: usize, ch: usize) -> Result<(&Ring, &Segment), Error> {
         match (self.peer(peer), ch < self.layout.channels) {
             (Some(seg), true) => Ok((&self.rings[peer * self.layout.channels + ch], seg)),
-            _ => Err(misuse(
-                "shm",
-                format!("no ring to rank {peer} on channel {ch}"),
-            )),
+            _ => Err(no_ring(peer, ch)),
         }
     }
 
