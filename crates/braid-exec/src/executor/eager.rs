@@ -76,10 +76,11 @@ impl<E: Engine + ?Sized> Executor<E> {
             started,
             abort: &self.abort,
         };
-        let mut rx = self.spare_rx.pop().unwrap_or_default();
-        rx.clear();
-        rx.resize_with(self.world, || None);
-        let mut srcs = std::mem::take(&mut self.srcs);
+        let rx = &mut self.eager_rx;
+        if rx.len() != self.world {
+            rx.clear();
+            rx.resize_with(self.world, || None);
+        }
         let r = eager(
             link,
             &mut *self.engine,
@@ -87,16 +88,14 @@ impl<E: Engine + ?Sized> Executor<E> {
             op,
             plan,
             channel,
-            &mut rx,
-            &mut srcs,
+            rx,
+            &mut self.srcs,
         );
-        // A failed run may hold received slots: they go back so that the ring stays consistent.
-        for s in rx.iter_mut().filter_map(Option::take) {
-            let _ = link.release(s);
-        }
-        self.srcs = srcs;
-        if self.spare_rx.len() < 4 {
-            self.spare_rx.push(rx);
+        if r.is_err() {
+            // A failed pass may hold received slots: they go back so that the ring stays consistent.
+            for s in rx.iter_mut().filter_map(Option::take) {
+                let _ = link.release(s);
+            }
         }
         r
     }

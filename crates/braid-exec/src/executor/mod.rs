@@ -245,6 +245,8 @@ pub struct Executor<E: Engine + ?Sized = dyn Engine> {
     plans: Vec<(PlanKey, Arc<Plan>)>,
     spare_scratch: Vec<Scratch>,
     spare_rx: Vec<Vec<Option<RecvSlot>>>,
+    /// The eager path's received messages, one place per rank, empty between calls.
+    eager_rx: Vec<Option<RecvSlot>>,
     srcs: Vec<Operand>,
 }
 
@@ -287,6 +289,7 @@ impl<E: Engine + ?Sized> Executor<E> {
             plans: Vec::new(),
             spare_scratch: Vec::new(),
             spare_rx: Vec::new(),
+            eager_rx: Vec::new(),
             srcs: Vec::new(),
         }
     }
