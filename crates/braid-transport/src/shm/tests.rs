@@ -67,7 +67,14 @@ fn ctx<'a>(abort: &'a AtomicBool, ms: u64) -> WaitCtx<'a> {
 
 #[test]
 fn stream_of_messages_arrives_in_order_across_counter_wrap() {
-    let mut ts = world(2, 3, 256);
+    // Three slots: a message's slot is its counter modulo 3; four: the counter masked.
+    for slots in [3, 4] {
+        stream_of_messages(slots);
+    }
+}
+
+fn stream_of_messages(slots: usize) {
+    let mut ts = world(2, slots, 256);
     let b = ts.pop().unwrap();
     let a = ts.pop().unwrap();
     let n = 20_000u32;
