@@ -44,7 +44,7 @@ pub struct Config {
     pub timeout: Duration,
     /// Bytes per transport slot, the pipelining unit (`BRAID_CHUNK_BYTES`, default 131072).
     pub chunk_bytes: usize,
-    /// Slots per channel, how far a sender may run ahead (`BRAID_SLOTS`, default 8).
+    /// Slots per channel, how far a sender may run ahead (`BRAID_SLOTS`, default 8; a power of two).
     pub slots: usize,
     /// Rings a ring all-reduce is split over, alternating direction (`BRAID_CHANNELS`, default 1).
     pub channels: usize,
@@ -202,6 +202,12 @@ impl Config {
         }
         if let Some(v) = lookup("BRAID_SLOTS") {
             c.slots = parse_num("BRAID_SLOTS", &v, 2, 64)? as usize;
+            if !c.slots.is_power_of_two() {
+                return Err(Error::invalid(format!(
+                    "BRAID_SLOTS={v}: the slot count must be a power of two (2, 4, 8, 16, 32 or 64): \
+                     a message's slot is its 32-bit counter modulo the count, which must divide 2^32"
+                )));
+            }
         }
         if let Some(v) = lookup("BRAID_STREAMS") {
             c.streams = parse_num("BRAID_STREAMS", &v, 1, 8)? as usize;
@@ -350,6 +356,8 @@ mod tests {
             ("BRAID_TIMEOUT_MS", "0"),
             ("BRAID_CHUNK_BYTES", "8"),
             ("BRAID_SLOTS", "1"),
+            ("BRAID_SLOTS", "3"),
+            ("BRAID_SLOTS", "48"),
             ("BRAID_DEBUG", "loud"),
             ("BRAID_SOCKETS_PER_PEER", "0"),
             ("BRAID_SOCKETS_PER_PEER", "99"),

@@ -10,7 +10,7 @@ use braid_core::{DType, Error, ReduceOp};
 use braid_exec::{CpuEngine, Executor, Op, Settings};
 use braid_sched::{Algo, Collective};
 use braid_transport::mem::MemNet;
-use braid_transport::{Link, Span};
+use braid_transport::{send_bytes, Link, Span, WaitCtx};
 
 const SLOT: usize = 4096;
 
@@ -124,8 +124,9 @@ fn the_eager_path_is_the_walk_to_the_bit() {
     for world in [2, 3, 5] {
         for dtype in DType::ALL {
             for redop in ReduceOp::ALL {
-                // One message per peer: the schedule cuts at a slot of accumulator elements.
-                let max = SLOT / dtype.accumulator().size();
+                // One message per peer (the schedule cuts at a slot of accumulator elements) of
+                // fewer than 4096 bytes (from there the walk may send from the caller's buffer).
+                let max = (SLOT / dtype.accumulator().size()).min(4095 / dtype.size());
                 for count in [1, 3, 17, max] {
                     for in_place in [false, true] {
                         let seed = (world * 1000 + count) as u64;
@@ -157,20 +158,28 @@ fn only_small_direct_all_reduces_without_checks_take_it() {
     let small = op(
         DType::F32,
         ReduceOp::Sum,
+        1023,
+        s.prefix(4092).unwrap(),
+        s.prefix(4092).unwrap(),
+    );
+    assert!(ex.runs_eager(&small, Algo::Direct));
+    // A message of 4096 bytes or more (which the walk may send from the caller's buffer), two
+    // messages per peer, or another schedule: the walk.
+    let large = op(
+        DType::F32,
+        ReduceOp::Sum,
         1024,
         s.prefix(4096).unwrap(),
         s.prefix(4096).unwrap(),
     );
-    assert!(ex.runs_eager(&small, Algo::Direct));
-    // More than one small message per peer, or another schedule: the walk.
-    let large = op(
-        DType::F32,
-        ReduceOp::Sum,
-        1025,
-        s.prefix(4100).unwrap(),
-        s.prefix(4100).unwrap(),
-    );
     assert!(!ex.runs_eager(&large, Algo::Direct));
+    let cut = MemNet::new(2, 1, 2, 256);
+    let mut in_two = exec(&cut, 0, 2, Duration::from_secs(1));
+    let s400 = s.prefix(400).unwrap();
+    assert!(!in_two.runs_eager(
+        &op(DType::F32, ReduceOp::Sum, 100, s400, s400),
+        Algo::Direct
+    ));
     for algo in [Algo::Ring, Algo::Tree, Algo::Rhd] {
         assert!(!ex.runs_eager(&small, algo), "{algo:?}");
     }
@@ -297,4 +306,52 @@ fn eager_failures_name_what_went_wrong_and_leave_the_rings_whole() {
         ),
         "{e}"
     );
+}
+
+#[test]
+fn with_several_faults_the_eager_path_reports_what_the_walk_reports() {
+    // Rank 1 sends the wrong length, rank 2 another collective's message: the walk takes every
+    // message (checking tags) before any length, so rank 2's tag is what both paths report.
+    let mut errors = Vec::new();
+    for eager in [true, false] {
+        let net = MemNet::new(3, 1, 2, SLOT);
+        let abort = AtomicBool::new(false);
+        let now = Instant::now();
+        let ctx = WaitCtx {
+            rank: 1,
+            collective: "test",
+            seq: 5,
+            deadline: now + Duration::from_secs(10),
+            started: now,
+            abort: &abort,
+        };
+        send_bytes(&net.link(1), 0, 0, &[0u8; 12], 5, &ctx).unwrap();
+        send_bytes(&net.link(2), 0, 0, &[0u8; 8], 6, &ctx).unwrap();
+        let mut ex = exec(&net, 0, 3, Duration::from_secs(10));
+        let mut buf = vec![0u8; 8];
+        // SAFETY: `buf` outlives the call.
+        let sp = unsafe { Span::host(buf.as_mut_ptr(), 8) };
+        let o = op(DType::F32, ReduceOp::Sum, 2, sp, sp);
+        assert!(ex.runs_eager(&o, Algo::Direct));
+        let e = if eager {
+            ex.run_op(o, Algo::Direct, 0, 5, now, || {}).unwrap_err()
+        } else {
+            ex.start(o, Algo::Direct, 0, 5, now)
+                .and_then(|mut run| ex.run_blocking(&mut run))
+                .unwrap_err()
+        };
+        assert!(
+            matches!(
+                &e,
+                Error::Mismatch {
+                    rank: 0,
+                    peer: 2,
+                    ..
+                }
+            ),
+            "eager {eager}: {e}"
+        );
+        errors.push(e.to_string());
+    }
+    assert_eq!(errors[0], errors[1]);
 }

@@ -7,7 +7,9 @@
 //! `Run` built and torn down per call, a step result per action, posts held back for a queued kernel),
 //! which on an 8-byte all-reduce is a good part of the time. It is taken only where nothing of that is
 //! needed: an engine that completes every kernel when submitted, no fingerprint exchange, messages of
-//! at most [`DIRECT_MIN_BYTES`] (so never a send from the caller's buffer).
+//! fewer than [`DIRECT_MIN_BYTES`] (where the walk, too, copies into the slot rather than sending from
+//! the caller's buffer). Receives are checked in the walk's order: every message is taken (and its tag
+//! checked) in rank order before any length is, so the same fault gives the same error.
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -50,7 +52,8 @@ impl<E: Engine + ?Sized> Executor<E> {
             && self.engine.synchronous()
             && match plan.actions.last() {
                 Some(Action::RecvReduceAll { input, nranks, .. }) => {
-                    *nranks == self.world && input.len() * op.dtype.size() <= DIRECT_MIN_BYTES
+                    // Below the size from which the walk would send from the caller's buffer.
+                    *nranks == self.world && input.len() * op.dtype.size() < DIRECT_MIN_BYTES
                 }
                 _ => false,
             }
@@ -102,7 +105,8 @@ impl<E: Engine + ?Sized> Executor<E> {
 }
 
 /// Waits on `link` for `event` from `peer`, failing first if the communicator was aborted (as a
-/// blocked poll does).
+/// blocked poll does; the blocking walk leaves the flag to the link's wait, which looks at it once it
+/// sleeps: an abort is seen here a little sooner, never later).
 fn block(
     link: &dyn Link,
     ctx: &WaitCtx<'_>,
@@ -183,6 +187,8 @@ fn eager<E: Engine + ?Sized>(
         };
         let slot = held.insert(slot);
         accept(&*engine, slot, Some(tag), me, op, ctx.seq)?;
+    }
+    for slot in rx.iter().flatten() {
         check_len(slot, src.len(), me, op, ctx.seq)?;
     }
     let dst = view(&op.recv, "output", or, es)?;

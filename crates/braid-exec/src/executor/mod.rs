@@ -245,7 +245,8 @@ pub struct Executor<E: Engine + ?Sized = dyn Engine> {
     plans: Vec<(PlanKey, Arc<Plan>)>,
     spare_scratch: Vec<Scratch>,
     spare_rx: Vec<Vec<Option<RecvSlot>>>,
-    /// The eager path's received messages, one place per rank, empty between calls.
+    /// The eager path's received messages, one place per rank (every place empty once a call
+    /// returns).
     eager_rx: Vec<Option<RecvSlot>>,
     srcs: Vec<Operand>,
 }

@@ -523,7 +523,9 @@ impl ShmLink {
         }
     }
 
-    /// The slot of message counter `m`: `m` modulo the slot count.
+    /// The slot of message counter `m`: `m` modulo the slot count. A count that is not a power of two
+    /// (the runtime refuses one; tests use 3) does not divide 2^32, so its slots stay paired only
+    /// until the counter wraps.
     #[inline]
     fn index(&self, m: u32) -> usize {
         match self.slot_mask {

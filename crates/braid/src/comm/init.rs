@@ -177,8 +177,12 @@ impl Communicator {
                 "rank {rank} is out of range for world size {world}"
             )));
         }
-        if config.slots < 2 {
-            return Err(Error::invalid("a channel needs at least 2 slots"));
+        if config.slots < 2 || !config.slots.is_power_of_two() {
+            return Err(Error::invalid(format!(
+                "{} slots per channel: a channel needs a power of two of at least 2 (a message's slot \
+                 is its 32-bit counter modulo the count, which must divide 2^32)",
+                config.slots
+            )));
         }
         let policy = match config.algo.as_deref() {
             Some(text) => AlgoPolicy::parse(text)
