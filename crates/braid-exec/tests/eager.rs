@@ -200,27 +200,34 @@ fn only_small_direct_all_reduces_without_checks_take_it() {
     assert!(!checked.runs_eager(&small, Algo::Direct));
 }
 
-#[test]
-fn eager_failures_name_what_went_wrong_and_leave_the_rings_whole() {
-    // Ranks that disagree on the collective's number: a mismatch on each side.
-    let net = MemNet::new(2, 1, 2, SLOT);
-    let errs: Vec<Error> = std::thread::scope(|s| {
+/// Runs an eager f32 sum on both ranks of `net`, rank `r` with the (count, sequence number)
+/// `shape(r)`; each rank's error.
+fn failing_pair(net: &MemNet, shape: impl Fn(usize) -> (usize, u64) + Sync) -> Vec<Error> {
+    std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
             .map(|r| {
-                let net = &net;
+                let shape = &shape;
                 s.spawn(move || {
+                    let (count, seq) = shape(r);
                     let mut ex = exec(net, r, 2, Duration::from_secs(10));
-                    let mut buf = vec![1u8; 8];
+                    let mut buf = vec![1u8; 4 * count];
                     // SAFETY: `buf` outlives the call.
-                    let sp = unsafe { Span::host(buf.as_mut_ptr(), 8) };
-                    let o = op(DType::F32, ReduceOp::Sum, 2, sp, sp);
-                    ex.run_op(o, Algo::Direct, 0, 10 + r as u64, Instant::now(), || {})
+                    let sp = unsafe { Span::host(buf.as_mut_ptr(), buf.len()) };
+                    let o = op(DType::F32, ReduceOp::Sum, count, sp, sp);
+                    ex.run_op(o, Algo::Direct, 0, seq, Instant::now(), || {})
                         .unwrap_err()
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    })
+}
+
+#[test]
+fn eager_failures_name_what_went_wrong_and_leave_the_rings_whole() {
+    // Ranks that disagree on the collective's number: a mismatch on each side.
+    let net = MemNet::new(2, 1, 2, SLOT);
+    let errs = failing_pair(&net, |r| (2, 10 + r as u64));
     for (r, e) in errs.iter().enumerate() {
         assert!(
             matches!(e, Error::Mismatch { rank, peer, .. } if *rank == r && *peer == 1 - r),
@@ -233,24 +240,7 @@ fn eager_failures_name_what_went_wrong_and_leave_the_rings_whole() {
 
     // Counts that differ: a length mismatch.
     let net = MemNet::new(2, 1, 2, SLOT);
-    let errs: Vec<Error> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|r| {
-                let net = &net;
-                s.spawn(move || {
-                    let mut ex = exec(net, r, 2, Duration::from_secs(10));
-                    let count = 2 + r;
-                    let mut buf = vec![1u8; 4 * count];
-                    // SAFETY: `buf` outlives the call.
-                    let sp = unsafe { Span::host(buf.as_mut_ptr(), buf.len()) };
-                    let o = op(DType::F32, ReduceOp::Sum, count, sp, sp);
-                    ex.run_op(o, Algo::Direct, 0, 1, Instant::now(), || {})
-                        .unwrap_err()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let errs = failing_pair(&net, |r| (2 + r, 1));
     for e in &errs {
         assert!(e.to_string().contains("bytes where"), "{e}");
     }
