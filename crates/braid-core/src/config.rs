@@ -186,6 +186,17 @@ fn parse_num(name: &str, value: &str, min: u64, max: u64) -> Result<u64, Error> 
 }
 
 impl Config {
+    /// Why a channel cannot have `slots` slots (`None`: it can). A message's slot is its 32-bit
+    /// counter modulo the slot count, so the count must divide 2^32: a power of two, at least 2.
+    pub fn slots_refused(slots: usize) -> Option<String> {
+        (slots < 2 || !slots.is_power_of_two()).then(|| {
+            format!(
+                "{slots} slots per channel: the count must be a power of two of at least 2 (a \
+                 message's slot is its 32-bit counter modulo the count, which must divide 2^32)"
+            )
+        })
+    }
+
     /// The defaults overridden by the process environment.
     pub fn from_env() -> Result<Config, Error> {
         Config::from_lookup(|k| std::env::var(k).ok())
@@ -202,11 +213,8 @@ impl Config {
         }
         if let Some(v) = lookup("BRAID_SLOTS") {
             c.slots = parse_num("BRAID_SLOTS", &v, 2, 64)? as usize;
-            if !c.slots.is_power_of_two() {
-                return Err(Error::invalid(format!(
-                    "BRAID_SLOTS={v}: the slot count must be a power of two (2, 4, 8, 16, 32 or 64): \
-                     a message's slot is its 32-bit counter modulo the count, which must divide 2^32"
-                )));
+            if let Some(why) = Config::slots_refused(c.slots) {
+                return Err(Error::invalid(format!("BRAID_SLOTS={v}: {why}")));
             }
         }
         if let Some(v) = lookup("BRAID_STREAMS") {

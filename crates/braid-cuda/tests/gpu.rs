@@ -568,19 +568,25 @@ fn ipc_message() -> Vec<u8> {
     (0..(1 << 20)).map(|i: u32| (i % 251) as u8).collect()
 }
 
-/// Writes `msg` into a device slot of `link`'s ring at `peer` (channel 0) and posts it with tag 9.
-fn ipc_send(gpu: &Gpu, link: &dyn braid_transport::Link, peer: usize, msg: &[u8]) {
-    use braid_transport::WaitCtx;
-    use std::sync::atomic::AtomicBool;
-    let abort = AtomicBool::new(false);
-    let wctx = WaitCtx {
-        rank: 0,
+/// What the ipc exchanges below name in their errors: `rank`, a deadline [`soon`].
+fn ipc_wait_ctx(
+    rank: usize,
+    abort: &std::sync::atomic::AtomicBool,
+) -> braid_transport::WaitCtx<'_> {
+    braid_transport::WaitCtx {
+        rank,
         collective: "gpu ipc",
         seq: 0,
         deadline: soon(),
         started: Instant::now(),
-        abort: &abort,
-    };
+        abort,
+    }
+}
+
+/// Writes `msg` into a device slot of `link`'s ring at `peer` (channel 0) and posts it with tag 9.
+fn ipc_send(gpu: &Gpu, link: &dyn braid_transport::Link, peer: usize, msg: &[u8]) {
+    let abort = std::sync::atomic::AtomicBool::new(false);
+    let wctx = ipc_wait_ctx(0, &abort);
     let stream = Stream::new(gpu, Priority::High).unwrap();
     let slot = link.try_reserve(peer, 0, &wctx).unwrap().expect("credit");
     assert_eq!(
@@ -597,17 +603,9 @@ fn ipc_send(gpu: &Gpu, link: &dyn braid_transport::Link, peer: usize, msg: &[u8]
 
 /// Waits for the message from `peer` (channel 0) on `link`, checks its tag and returns its bytes.
 fn ipc_receive(gpu: &Gpu, link: &dyn braid_transport::Link, peer: usize) -> Vec<u8> {
-    use braid_transport::{Event as LinkEvent, WaitCtx};
-    use std::sync::atomic::AtomicBool;
-    let abort = AtomicBool::new(false);
-    let wctx = WaitCtx {
-        rank: 1,
-        collective: "gpu ipc",
-        seq: 0,
-        deadline: soon(),
-        started: Instant::now(),
-        abort: &abort,
-    };
+    use braid_transport::Event as LinkEvent;
+    let abort = std::sync::atomic::AtomicBool::new(false);
+    let wctx = ipc_wait_ctx(1, &abort);
     let stream = Stream::new(gpu, Priority::High).unwrap();
     link.wait(peer, 0, LinkEvent::Data, &wctx, soon()).unwrap();
     let got = link.try_recv(peer, 0, &wctx).unwrap().expect("a message");

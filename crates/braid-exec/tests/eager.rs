@@ -223,6 +223,17 @@ fn failing_pair(net: &MemNet, shape: impl Fn(usize) -> (usize, u64) + Sync) -> V
     })
 }
 
+/// Rank 0 of `world` runs an eager 8-byte all-reduce that its peers never join; its error.
+fn rank0_alone(net: &MemNet, world: usize, timeout: Duration) -> Error {
+    let mut ex = exec(net, 0, world, timeout);
+    let mut buf = vec![0u8; 8];
+    // SAFETY: `buf` outlives the call.
+    let sp = unsafe { Span::host(buf.as_mut_ptr(), 8) };
+    let o = op(DType::F32, ReduceOp::Sum, 2, sp, sp);
+    ex.run_op(o, Algo::Direct, 0, 0, Instant::now(), || {})
+        .unwrap_err()
+}
+
 #[test]
 fn eager_failures_name_what_went_wrong_and_leave_the_rings_whole() {
     // Ranks that disagree on the collective's number: a mismatch on each side.
@@ -247,20 +258,7 @@ fn eager_failures_name_what_went_wrong_and_leave_the_rings_whole() {
 
     // A peer that never comes: a timeout naming it; a killed one: it failed.
     let net = MemNet::new(3, 1, 2, SLOT);
-    let mut ex = exec(&net, 0, 3, Duration::from_millis(200));
-    let mut buf = vec![0u8; 8];
-    // SAFETY: `buf` outlives the call.
-    let sp = unsafe { Span::host(buf.as_mut_ptr(), 8) };
-    let e = ex
-        .run_op(
-            op(DType::F32, ReduceOp::Sum, 2, sp, sp),
-            Algo::Direct,
-            0,
-            0,
-            Instant::now(),
-            || {},
-        )
-        .unwrap_err();
+    let e = rank0_alone(&net, 3, Duration::from_millis(200));
     assert!(
         matches!(
             e,
@@ -274,17 +272,7 @@ fn eager_failures_name_what_went_wrong_and_leave_the_rings_whole() {
     );
     let net = MemNet::new(2, 1, 2, SLOT);
     net.kill(1);
-    let mut ex = exec(&net, 0, 2, Duration::from_secs(10));
-    let e = ex
-        .run_op(
-            op(DType::F32, ReduceOp::Sum, 2, sp, sp),
-            Algo::Direct,
-            0,
-            0,
-            Instant::now(),
-            || {},
-        )
-        .unwrap_err();
+    let e = rank0_alone(&net, 2, Duration::from_secs(10));
     assert!(
         matches!(
             e,

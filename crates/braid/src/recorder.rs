@@ -145,16 +145,24 @@ impl Recorder {
     /// Writes `raw` into its entry. Only the single writer calls this.
     fn write(&self, raw: Raw) {
         let e = &self.shared.entries[(raw.ordinal % CAPACITY as u64) as usize];
+        Self::update(e, || {
+            e.ordinal.store(raw.ordinal, Ordering::Relaxed);
+            e.stream.store(raw.stream, Ordering::Relaxed);
+            e.seq.store(raw.seq, Ordering::Relaxed);
+            e.count.store(raw.count, Ordering::Relaxed);
+            e.what.store(raw.what, Ordering::Relaxed);
+            e.started.store(raw.started, Ordering::Relaxed);
+            e.elapsed.store(raw.elapsed, Ordering::Relaxed);
+        });
+    }
+
+    /// Changes fields of `e` (in `store`) under its sequence lock: a reader sees all of them or none.
+    /// Only the single writer calls this.
+    fn update(e: &Entry, store: impl FnOnce()) {
         let v = e.version.load(Ordering::Relaxed);
         e.version.store(v.wrapping_add(1), Ordering::Relaxed);
         fence(Ordering::Release);
-        e.ordinal.store(raw.ordinal, Ordering::Relaxed);
-        e.stream.store(raw.stream, Ordering::Relaxed);
-        e.seq.store(raw.seq, Ordering::Relaxed);
-        e.count.store(raw.count, Ordering::Relaxed);
-        e.what.store(raw.what, Ordering::Relaxed);
-        e.started.store(raw.started, Ordering::Relaxed);
-        e.elapsed.store(raw.elapsed, Ordering::Relaxed);
+        store();
         e.version.store(v.wrapping_add(2), Ordering::Release);
     }
 
@@ -232,12 +240,10 @@ impl Recorder {
             };
             // Only the state and the time change: the rest of the record stays as written.
             let what = e.what.load(Ordering::Relaxed) & 0xff_ffff | (state as u64) << 24;
-            let v = e.version.load(Ordering::Relaxed);
-            e.version.store(v.wrapping_add(1), Ordering::Relaxed);
-            fence(Ordering::Release);
-            e.what.store(what, Ordering::Relaxed);
-            e.elapsed.store(elapsed_ns, Ordering::Relaxed);
-            e.version.store(v.wrapping_add(2), Ordering::Release);
+            Self::update(e, || {
+                e.what.store(what, Ordering::Relaxed);
+                e.elapsed.store(elapsed_ns, Ordering::Relaxed);
+            });
             return;
         }
     }

@@ -585,9 +585,10 @@ impl<E: Engine + ?Sized> Executor<E> {
     }
 
     /// Starts `op` and runs it to the end on this thread: [`Executor::start`] and
-    /// [`Executor::run_blocking`] in one, with the run kept in place; a small all-reduce of one message
-    /// per peer takes the eager path (`eager.rs`: the same plan in one straight pass, the 8-byte path). `on_start` is
-    /// called once the op has been accepted (not for one refused with an invalid-argument error).
+    /// [`Executor::run_blocking`] in one, with the run kept in place. A small all-reduce of one message
+    /// per peer takes the eager path (`eager.rs`: the same plan in one straight pass, the 8-byte path).
+    /// `on_start` is called once the op has been accepted (not for one refused with an
+    /// invalid-argument error).
     pub fn run_op(
         &mut self,
         op: Op,

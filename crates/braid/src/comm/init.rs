@@ -177,12 +177,8 @@ impl Communicator {
                 "rank {rank} is out of range for world size {world}"
             )));
         }
-        if config.slots < 2 || !config.slots.is_power_of_two() {
-            return Err(Error::invalid(format!(
-                "{} slots per channel: a channel needs a power of two of at least 2 (a message's slot \
-                 is its 32-bit counter modulo the count, which must divide 2^32)",
-                config.slots
-            )));
+        if let Some(why) = Config::slots_refused(config.slots) {
+            return Err(Error::invalid(why));
         }
         let policy = match config.algo.as_deref() {
             Some(text) => AlgoPolicy::parse(text)
