@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use braid::{Communicator, DType, Error, Priority, ReduceOp};
 use braid_core::exact::{inputs, reduced};
 use common::scenarios::{assert_identical, scenario_algorithms};
-use common::{braid, braid_run, braid_segments, case, free_port, me, no_segments_left, show};
+use common::{
+    braid, braid_run, braid_segments, case, case_needing, free_port, me, no_segments_left, show,
+};
 
 // ---------------------------------------------------------------------------------------------------
 // Rank side.
@@ -746,6 +748,30 @@ fn test_perf_runs_and_checks() {
     assert!(!text.contains("\"wrong\": 1"), "{text}");
 }
 
+/// Every algorithm at 3 ranks under valgrind's memcheck: no invalid access or use of uninitialised
+/// memory in any rank, and exact results (braid must also run at all there: valgrind gives a process
+/// no usable vDSO and lacks some newer system calls, which braid falls back from).
+fn test_perf_under_valgrind() -> Result<(), String> {
+    let probe = Command::new("valgrind").arg("--version").output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        return Err("valgrind is not installed (apt-get install valgrind)".into());
+    }
+    let o = Command::new("valgrind")
+        .args(["-q", "--trace-children=yes", "--error-exitcode=97"])
+        .arg(braid())
+        .args([
+            "perf", "--ranks", "3", "--algo", "all", "-b", "8", "-e", "64K", "-f", "8", "-n", "2",
+            "-w", "1",
+        ])
+        .env_remove("BRAID_RANK")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("Out of bounds values : 0 OK"), "{out}");
+    Ok(())
+}
+
 fn test_perf_all_algorithms_and_plot() {
     let png = std::env::temp_dir().join(format!("braid-perf-{}.png", std::process::id()));
     let o = Command::new(braid())
@@ -992,6 +1018,10 @@ fn main() {
         case("rank killed mid-collective", test_killed_rank),
         case("torchrun variables", test_torchrun_variables),
         case("braid perf checks its results", test_perf_runs_and_checks),
+        case_needing(
+            "braid perf under valgrind: no memory errors, exact results",
+            test_perf_under_valgrind,
+        ),
         case(
             "braid perf --algo all marks the pick and plots",
             test_perf_all_algorithms_and_plot,

@@ -86,7 +86,15 @@ impl Stamp {
     /// Now.
     #[inline]
     pub fn now() -> Stamp {
-        let t = rustix::time::clock_gettime(rustix::time::ClockId::MonotonicCoarse);
+        // Through the C library, which finds the vDSO itself and falls back to the system call
+        // where there is none (rustix's own vDSO lookup faults under valgrind).
+        let mut t = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `t` is a valid, writable timespec; CLOCK_MONOTONIC_COARSE exists on every Linux
+        // braid runs on (2.6.32+), so the call cannot fail and leaves `t` set.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut t) };
         Stamp(t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64)
     }
 
