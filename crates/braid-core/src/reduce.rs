@@ -335,9 +335,9 @@ pub fn reduce_ordered(dtype: DType, op: ReduceOp, dst: &mut [u8], srcs: &[Src<'_
     }
     with_type!(dtype, T => with_op!(op, f => {
         assert_eq!(dst.len() % size_of::<T>(), 0, "destination length");
-        // Small messages (the latency path) get small stack blocks: nothing to clear but what is used.
+        // Small messages (the latency path) go element by element: no stack blocks to set up.
         if dst.len() <= SMALL * size_of::<T>() {
-            ordered::<T, SMALL>(f, avg, dst, srcs)
+            ordered_few::<T>(f, avg, dst, srcs)
         } else {
             ordered::<T, BLOCK>(f, avg, dst, srcs)
         }
@@ -345,6 +345,31 @@ pub fn reduce_ordered(dtype: DType, op: ReduceOp, dst: &mut [u8], srcs: &[Src<'_
 }
 
 const SMALL: usize = 16;
+
+/// [`ordered`] for a few elements: each one read (unaligned) from every source in turn, combined in
+/// the same order and accumulator type, and stored.
+#[inline(always)]
+fn ordered_few<T: Elem>(
+    f: impl Fn(T::A, T::A) -> T::A,
+    avg: bool,
+    dst: &mut [u8],
+    srcs: &[Src<'_>],
+) {
+    let es = size_of::<T>();
+    for at in (0..dst.len()).step_by(es) {
+        let mut acc = T::A::zeroed();
+        for (i, s) in srcs.iter().enumerate() {
+            let bytes = match s {
+                Src::Buf(b) => &b[at..at + es],
+                Src::Dst => &dst[at..at + es],
+            };
+            let x = bytemuck::pod_read_unaligned::<T>(bytes).load();
+            acc = if i == 0 { x } else { f(acc, x) };
+        }
+        let v = T::store(if avg { acc.div_n(srcs.len()) } else { acc });
+        dst[at..at + es].copy_from_slice(bytemuck::bytes_of(&v));
+    }
+}
 
 #[inline(always)]
 fn ordered<T: Elem, const B: usize>(

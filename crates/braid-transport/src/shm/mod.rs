@@ -336,14 +336,6 @@ impl Segment {
     fn slot_seq(&self, from: usize, ch: usize, index: usize) -> &AtomicU32 {
         self.word(self.layout.slot(from, ch, index) + S_SEQ)
     }
-
-    /// Raw pointer to slot `index` of ring `ch` from `from`: its header, then the payload.
-    fn slot_ptr(&self, from: usize, ch: usize, index: usize) -> *mut u8 {
-        let off = self.layout.slot(from, ch, index);
-        assert!(off + self.layout.slot_stride() <= self.layout.size());
-        // SAFETY: `off` plus a whole slot is within the mapping, checked above.
-        unsafe { self.map.as_mut_ptr().add(off) }
-    }
 }
 
 impl Drop for Segment {
@@ -430,9 +422,15 @@ fn no_ring(peer: usize, ch: usize) -> Error {
     misuse("shm", format!("no ring to rank {peer} on channel {ch}"))
 }
 
-/// Per (peer, channel) counters of this rank, all wrapping.
+/// Per (peer, channel) counters of this rank, all wrapping, and where the two rings of that pair
+/// lie, so that a post or a receive finds its slot with one multiply and no bounds arithmetic.
 #[derive(Default)]
 struct Ring {
+    /// Address of the outbound ring's channel block (control words, then slots) in the peer's
+    /// segment; 0 for a peer without one (reached over another transport, or this rank).
+    tx: usize,
+    /// Address of the inbound ring's channel block in this rank's own segment (0 as above).
+    rx: usize,
     /// Slots reserved to the peer.
     reserved: Cell<u32>,
     /// Slots posted to the peer.
@@ -443,6 +441,36 @@ struct Ring {
     recvd: Cell<u32>,
     /// Messages released to the peer.
     released: Cell<u32>,
+}
+
+impl Ring {
+    /// The ring of `seg`'s channel block `ch` from rank `from`, with its bounds checked once here.
+    fn block(seg: &Segment, from: usize, ch: usize) -> usize {
+        let off = seg.layout.channel(from, ch);
+        assert!(off + seg.layout.channel_stride() <= seg.layout.size());
+        seg.map.as_mut_ptr() as usize + off
+    }
+
+    /// Header of outbound slot `index` (`stride` bytes per slot).
+    #[inline]
+    fn tx_slot(&self, stride: usize, index: usize) -> *mut u8 {
+        (self.tx + CTRL + index * stride) as *mut u8
+    }
+
+    /// Header of inbound slot `index`.
+    #[inline]
+    fn rx_slot(&self, stride: usize, index: usize) -> *mut u8 {
+        (self.rx + CTRL + index * stride) as *mut u8
+    }
+
+    /// The control or sequence word at `addr` (one of the addresses above, plus a field offset).
+    #[inline]
+    fn word(&self, addr: usize) -> &AtomicU32 {
+        // SAFETY: `addr` lies in a channel block checked in bounds by `Ring::block`, at a 4-aligned
+        // offset (fields and slot strides are multiples of 4, the mapping page-aligned); the link owns
+        // the mappings and so outlives every ring; cross-process access to these words is atomic.
+        unsafe { &*(addr as *const AtomicU32) }
+    }
 }
 
 /// Where the payloads of an `ipc` link live: this rank's inbound rings and its peers', mapped.
@@ -471,6 +499,8 @@ pub struct ShmLink {
     /// `slots - 1` where the slot count is a power of two (the default 8): a message's slot is then
     /// its counter masked, not divided (a division is tens of cycles on every post and receive).
     slot_mask: Option<u32>,
+    /// Bytes from one slot's header to the next.
+    stride: usize,
 }
 
 impl ShmLink {
@@ -509,17 +539,28 @@ impl ShmLink {
             id: LinkId::new(),
             plane,
             procs,
-            maps: Arc::new(Mappings { rank, own, peers }),
             layout,
             policy,
             rings: (0..layout.world * layout.channels)
-                .map(|_| Ring::default())
+                .map(|i| {
+                    let (p, ch) = (i / layout.channels, i % layout.channels);
+                    match &peers[p] {
+                        Some(seg) => Ring {
+                            tx: Ring::block(seg, rank, ch),
+                            rx: Ring::block(&own, p, ch),
+                            ..Ring::default()
+                        },
+                        None => Ring::default(),
+                    }
+                })
                 .collect(),
+            stride: layout.slot_stride(),
             blocked: Cell::new(false),
             slot_mask: layout
                 .slots
                 .is_power_of_two()
                 .then(|| layout.slots as u32 - 1),
+            maps: Arc::new(Mappings { rank, own, peers }),
         }
     }
 
@@ -538,7 +579,10 @@ impl ShmLink {
     #[inline]
     fn ring(&self, peer: usize, ch: usize) -> Result<(&Ring, &Segment), Error> {
         match (self.peer(peer), ch < self.layout.channels) {
-            (Some(seg), true) => Ok((&self.rings[peer * self.layout.channels + ch], seg)),
+            (Some(seg), true) => match self.rings.get(peer * self.layout.channels + ch) {
+                Some(ring) => Ok((ring, seg)),
+                None => Err(no_ring(peer, ch)),
+            },
             _ => Err(no_ring(peer, ch)),
         }
     }
@@ -637,15 +681,13 @@ impl ShmLink {
         }
     }
 
-    fn has_credit(&self, ring: &Ring, seg: &Segment, ch: usize) -> bool {
+    fn has_credit(&self, ring: &Ring) -> bool {
         let slots = self.layout.slots as u32;
         let s = ring.reserved.get();
         if s.wrapping_sub(ring.credit_seen.get()) < slots {
             return true;
         }
-        let c = seg
-            .ctrl(self.maps.rank, ch, C_CONSUMED)
-            .load(Ordering::Acquire);
+        let c = ring.word(ring.tx + C_CONSUMED).load(Ordering::Acquire);
         ring.credit_seen.set(c);
         s.wrapping_sub(c) < slots
     }
@@ -699,14 +741,14 @@ impl Link for ShmLink {
         ch: usize,
         _ctx: &WaitCtx<'_>,
     ) -> Result<Option<SendSlot>, Error> {
-        let (ring, seg) = self.ring(peer, ch)?;
-        if !self.has_credit(ring, seg, ch) {
+        let (ring, _) = self.ring(peer, ch)?;
+        if !self.has_credit(ring) {
             return Ok(None);
         }
         let s = ring.reserved.get();
         ring.reserved.set(s.wrapping_add(1));
         let index = self.index(s);
-        let ptr = seg.slot_ptr(self.maps.rank, ch, index);
+        let ptr = ring.tx_slot(self.stride, index);
         // SAFETY: the slot is ours until posted: the receiver has released it (credit checked above) and
         // will not touch it before its sequence word moves past it; `reserved` hands it out once. The
         // payload lies within the mapping (of the segment, or of the peer's device rings, checked by
@@ -727,7 +769,7 @@ impl Link for ShmLink {
     }
 
     fn post(&self, slot: SendSlot, len: usize, tag: u32, _ctx: &WaitCtx<'_>) -> Result<(), Error> {
-        let (ring, seg) = self.ring(slot.peer, slot.ch)?;
+        let (ring, _) = self.ring(slot.peer, slot.ch)?;
         check_token(
             "shm",
             self.id,
@@ -745,26 +787,20 @@ impl Link for ShmLink {
                 ),
             ));
         }
-        let me = self.maps.rank;
         let s = slot.msg;
-        let index = self.index(s);
-        let hdr = seg.slot_ptr(me, slot.ch, index);
+        let hdr = ring.tx_slot(self.stride, self.index(s));
         // SAFETY: `hdr` points at this slot's header, which we own until the store below.
         unsafe {
             hdr.add(S_LEN).cast::<u32>().write_volatile(len as u32);
             hdr.add(S_TAG).cast::<u32>().write_volatile(tag);
         }
         ring.posted.set(s.wrapping_add(1));
-        let seq = seg.slot_seq(me, slot.ch, index);
+        let seq = ring.word(hdr as usize + S_SEQ);
         seq.store(s.wrapping_add(1), Ordering::Release);
         // With the fence in `wait_until`: the receiver sees this post, or we see that it sleeps (the
         // handshake the loom model in tests/loom_protocol.rs checks).
         fence(Ordering::SeqCst);
-        if seg
-            .ctrl(me, slot.ch, C_RECV_WAITING)
-            .load(Ordering::Relaxed)
-            != 0
-        {
+        if ring.word(ring.tx + C_RECV_WAITING).load(Ordering::Relaxed) != 0 {
             futex_wake(seq);
         }
         Ok(())
@@ -777,13 +813,12 @@ impl Link for ShmLink {
         ctx: &WaitCtx<'_>,
     ) -> Result<Option<RecvSlot>, Error> {
         let (ring, _) = self.ring(peer, ch)?;
-        let own = &self.maps.own;
         let r = ring.recvd.get();
         let index = self.index(r);
-        if own.slot_seq(peer, ch, index).load(Ordering::Acquire) != r.wrapping_add(1) {
+        let ptr = ring.rx_slot(self.stride, index);
+        if ring.word(ptr as usize + S_SEQ).load(Ordering::Acquire) != r.wrapping_add(1) {
             return Ok(None);
         }
-        let ptr = own.slot_ptr(peer, ch, index);
         // SAFETY: the slot header is within the mapping; the sender wrote it before the Release store of
         // the sequence word that the Acquire load above observed.
         let (len, tag) = unsafe {
@@ -835,17 +870,12 @@ impl Link for ShmLink {
         )?;
         let r = slot.msg.wrapping_add(1);
         ring.released.set(r);
-        let own = &self.maps.own;
-        own.ctrl(slot.peer, slot.ch, C_CONSUMED)
-            .store(r, Ordering::Release);
+        let consumed = ring.word(ring.rx + C_CONSUMED);
+        consumed.store(r, Ordering::Release);
         // As in `post`: the sender sees the credit, or we see that it sleeps.
         fence(Ordering::SeqCst);
-        if own
-            .ctrl(slot.peer, slot.ch, C_SEND_WAITING)
-            .load(Ordering::Relaxed)
-            != 0
-        {
-            futex_wake(own.ctrl(slot.peer, slot.ch, C_CONSUMED));
+        if ring.word(ring.rx + C_SEND_WAITING).load(Ordering::Relaxed) != 0 {
+            futex_wake(consumed);
         }
         Ok(())
     }
@@ -886,7 +916,7 @@ impl Link for ShmLink {
                 event.describe(),
                 seg.ctrl(me, ch, C_CONSUMED),
                 seg.ctrl(me, ch, C_SEND_WAITING),
-                || self.has_credit(ring, seg, ch),
+                || self.has_credit(ring),
                 || self.check_peer(ctx, peer, seg),
             ),
             // Posts copy into the peer's slot: nothing reads the caller's memory afterwards.
