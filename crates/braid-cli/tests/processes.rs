@@ -725,20 +725,26 @@ fn test_torchrun_variables() {
     );
 }
 
+/// Runs a `braid perf` command line; asserts that it succeeded and found every result exact; its
+/// standard output.
+fn perf_checked(cmd: &mut Command) -> String {
+    let o = cmd.env_remove("BRAID_RANK").output().unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(out.contains("Out of bounds values : 0 OK"), "{out}");
+    out
+}
+
 fn test_perf_runs_and_checks() {
     let json = std::env::temp_dir().join(format!("braid-perf-{}.json", std::process::id()));
-    let o = Command::new(braid())
-        .args([
-            "perf", "--ranks", "3", "-b", "8", "-e", "1M", "-f", "16", "-n", "2", "-w", "1",
-            "--json",
-        ])
-        .arg(&json)
-        .env_remove("BRAID_RANK")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", show(&o));
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("Out of bounds values : 0 OK"), "{out}");
+    perf_checked(
+        Command::new(braid())
+            .args([
+                "perf", "--ranks", "3", "-b", "8", "-e", "1M", "-f", "16", "-n", "2", "-w", "1",
+                "--json",
+            ])
+            .arg(&json),
+    );
     let text = std::fs::read_to_string(&json).unwrap();
     std::fs::remove_file(&json).unwrap();
     assert!(
@@ -756,36 +762,28 @@ fn test_perf_under_valgrind() -> Result<(), String> {
     if !probe.is_ok_and(|o| o.status.success()) {
         return Err("valgrind is not installed (apt-get install valgrind)".into());
     }
-    let o = Command::new("valgrind")
-        .args(["-q", "--trace-children=yes", "--error-exitcode=97"])
-        .arg(braid())
-        .args([
-            "perf", "--ranks", "3", "--algo", "all", "-b", "8", "-e", "64K", "-f", "8", "-n", "2",
-            "-w", "1",
-        ])
-        .env_remove("BRAID_RANK")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", show(&o));
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("Out of bounds values : 0 OK"), "{out}");
+    perf_checked(
+        Command::new("valgrind")
+            .args(["-q", "--trace-children=yes", "--error-exitcode=97"])
+            .arg(braid())
+            .args([
+                "perf", "--ranks", "3", "--algo", "all", "-b", "8", "-e", "64K", "-f", "8", "-n",
+                "2", "-w", "1",
+            ]),
+    );
     Ok(())
 }
 
 fn test_perf_all_algorithms_and_plot() {
     let png = std::env::temp_dir().join(format!("braid-perf-{}.png", std::process::id()));
-    let o = Command::new(braid())
-        .args([
-            "perf", "--ranks", "3", "--algo", "all", "-b", "8", "-e", "256K", "-f", "64", "-n",
-            "2", "-w", "1", "--plot",
-        ])
-        .arg(&png)
-        .env_remove("BRAID_RANK")
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", show(&o));
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains("Out of bounds values : 0 OK"), "{out}");
+    let out = perf_checked(
+        Command::new(braid())
+            .args([
+                "perf", "--ranks", "3", "--algo", "all", "-b", "8", "-e", "256K", "-f", "64", "-n",
+                "2", "-w", "1", "--plot",
+            ])
+            .arg(&png),
+    );
     for name in ["ring", "tree", "rhd", "direct", "pick/best"] {
         assert!(out.contains(name), "no {name} column:\n{out}");
     }
