@@ -172,17 +172,80 @@ pub fn parse_bool(name: &str, value: &str) -> Result<bool, Error> {
     }
 }
 
-fn parse_num(name: &str, value: &str, min: u64, max: u64) -> Result<u64, Error> {
-    let v: u64 = value
-        .trim()
-        .parse()
-        .map_err(|_| Error::invalid(format!("{name}={value:?} is not a non-negative integer")))?;
-    if v < min || v > max {
-        return Err(Error::invalid(format!(
-            "{name}={v} is out of range {min}..={max}"
-        )));
+/// The range of one numeric setting: its environment variable's parser and [`Config::check`] (for a
+/// `Config` built in code) both apply it, so the two cannot disagree.
+struct Limit {
+    /// The environment variable.
+    var: &'static str,
+    /// The `Config` field, as a user writes it.
+    field: &'static str,
+    min: u64,
+    max: u64,
+}
+
+impl Limit {
+    /// The variable's `value`, parsed and in range.
+    fn parse(&self, value: &str) -> Result<u64, Error> {
+        let v: u64 = value.trim().parse().map_err(|_| {
+            Error::invalid(format!(
+                "{}={value:?} is not a non-negative integer",
+                self.var
+            ))
+        })?;
+        if v < self.min || v > self.max {
+            return Err(Error::invalid(format!(
+                "{}={v} is out of range {}..={}",
+                self.var, self.min, self.max
+            )));
+        }
+        Ok(v)
     }
-    Ok(v)
+
+    /// Whether the field's value `v` is in range.
+    fn check(&self, v: u64) -> Result<(), Error> {
+        if v < self.min || v > self.max {
+            return Err(Error::invalid(format!(
+                "config: {} = {v} is out of range {}..={} (the range of {})",
+                self.field, self.min, self.max, self.var
+            )));
+        }
+        Ok(())
+    }
+}
+
+const fn limit(var: &'static str, field: &'static str, min: u64, max: u64) -> Limit {
+    Limit {
+        var,
+        field,
+        min,
+        max,
+    }
+}
+
+const TIMEOUT_MS: Limit = limit("BRAID_TIMEOUT_MS", "timeout (in ms)", 1, 86_400_000);
+const CHUNK_BYTES: Limit = limit("BRAID_CHUNK_BYTES", "chunk_bytes", 64, 64 << 20);
+const SLOTS: Limit = limit("BRAID_SLOTS", "slots", 2, 64);
+const STREAMS: Limit = limit("BRAID_STREAMS", "streams", 1, 8);
+const CHANNELS: Limit = limit("BRAID_CHANNELS", "channels", 1, 16);
+const SPIN_US: Limit = limit("BRAID_SPIN_US", "spin_us", 0, 10_000_000);
+const DIRECT_MAX_BYTES: Limit = limit("BRAID_DIRECT_MAX_BYTES", "direct_max_bytes", 0, 64 << 20);
+const SOCKETS_PER_PEER: Limit = limit("BRAID_SOCKETS_PER_PEER", "sockets_per_peer", 1, 16);
+const IB_QPS_PER_PEER: Limit = limit("BRAID_IB_QPS_PER_PEER", "ib.qps_per_peer", 1, 16);
+const IB_GID_INDEX: Limit = limit("BRAID_IB_GID_INDEX", "ib.gid_index", 0, 255);
+const IB_TC: Limit = limit("BRAID_IB_TC", "ib.traffic_class", 0, 255);
+const IB_TIMEOUT: Limit = limit("BRAID_IB_TIMEOUT", "ib.timeout", 1, 31);
+const IB_RETRY_CNT: Limit = limit("BRAID_IB_RETRY_CNT", "ib.retry_cnt", 0, 7);
+const IB_MTU: Limit = limit("BRAID_IB_MTU", "ib.mtu", 256, 4096);
+const IB_TEST_BAD_RKEY: Limit = limit(
+    "BRAID_IB_TEST_BAD_RKEY",
+    "ib.test_bad_rkey_rank",
+    0,
+    u32::MAX as u64,
+);
+
+/// Why `mtu` is not an MTU the verbs API names (`None`: it is one).
+fn mtu_refused(mtu: u32) -> Option<String> {
+    (!mtu.is_power_of_two()).then(|| format!("{mtu} is not 256, 512, 1024, 2048 or 4096"))
 }
 
 impl Config {
@@ -197,6 +260,45 @@ impl Config {
         })
     }
 
+    /// Whether every numeric setting is in the range its environment variable allows (the same
+    /// ranges), and the slot count a power of two. `Communicator::init` checks a `Config` built in code
+    /// with this before anything starts. The error is an invalid argument naming the field, its value
+    /// and the range.
+    pub fn check(&self) -> Result<(), Error> {
+        let ms = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX);
+        TIMEOUT_MS.check(ms)?;
+        CHUNK_BYTES.check(self.chunk_bytes as u64)?;
+        SLOTS.check(self.slots as u64)?;
+        if let Some(why) = Config::slots_refused(self.slots) {
+            return Err(Error::invalid(format!("config: slots: {why}")));
+        }
+        STREAMS.check(self.streams as u64)?;
+        CHANNELS.check(self.channels as u64)?;
+        if let Some(us) = self.spin_us {
+            SPIN_US.check(us)?;
+        }
+        DIRECT_MAX_BYTES.check(self.direct_max_bytes as u64)?;
+        SOCKETS_PER_PEER.check(self.sockets_per_peer as u64)?;
+        let ib = &self.ib;
+        IB_QPS_PER_PEER.check(ib.qps_per_peer as u64)?;
+        if let Some(g) = ib.gid_index {
+            IB_GID_INDEX.check(u64::from(g))?;
+        }
+        IB_TC.check(u64::from(ib.traffic_class))?;
+        IB_TIMEOUT.check(u64::from(ib.timeout))?;
+        IB_RETRY_CNT.check(u64::from(ib.retry_cnt))?;
+        if let Some(m) = ib.mtu {
+            IB_MTU.check(u64::from(m))?;
+            if let Some(why) = mtu_refused(m) {
+                return Err(Error::invalid(format!("config: ib.mtu = {why}")));
+            }
+        }
+        if let Some(r) = ib.test_bad_rkey_rank {
+            IB_TEST_BAD_RKEY.check(r as u64)?;
+        }
+        Ok(())
+    }
+
     /// The defaults overridden by the process environment.
     pub fn from_env() -> Result<Config, Error> {
         Config::from_lookup(|k| std::env::var(k).ok())
@@ -206,25 +308,25 @@ impl Config {
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, Error> {
         let mut c = Config::default();
         if let Some(v) = lookup("BRAID_TIMEOUT_MS") {
-            c.timeout = Duration::from_millis(parse_num("BRAID_TIMEOUT_MS", &v, 1, 86_400_000)?);
+            c.timeout = Duration::from_millis(TIMEOUT_MS.parse(&v)?);
         }
         if let Some(v) = lookup("BRAID_CHUNK_BYTES") {
-            c.chunk_bytes = parse_num("BRAID_CHUNK_BYTES", &v, 64, 64 << 20)? as usize;
+            c.chunk_bytes = CHUNK_BYTES.parse(&v)? as usize;
         }
         if let Some(v) = lookup("BRAID_SLOTS") {
-            c.slots = parse_num("BRAID_SLOTS", &v, 2, 64)? as usize;
+            c.slots = SLOTS.parse(&v)? as usize;
             if let Some(why) = Config::slots_refused(c.slots) {
                 return Err(Error::invalid(format!("BRAID_SLOTS={v}: {why}")));
             }
         }
         if let Some(v) = lookup("BRAID_STREAMS") {
-            c.streams = parse_num("BRAID_STREAMS", &v, 1, 8)? as usize;
+            c.streams = STREAMS.parse(&v)? as usize;
         }
         if let Some(v) = lookup("BRAID_CHANNELS") {
-            c.channels = parse_num("BRAID_CHANNELS", &v, 1, 16)? as usize;
+            c.channels = CHANNELS.parse(&v)? as usize;
         }
         if let Some(v) = lookup("BRAID_SPIN_US") {
-            c.spin_us = Some(parse_num("BRAID_SPIN_US", &v, 0, 10_000_000)?);
+            c.spin_us = Some(SPIN_US.parse(&v)?);
         }
         if let Some(v) = lookup("BRAID_ALGO") {
             // Checked by the communicator, which knows the algorithms.
@@ -234,7 +336,7 @@ impl Config {
             c.tune_file = Some(std::path::PathBuf::from(v)).filter(|p| !p.as_os_str().is_empty());
         }
         if let Some(v) = lookup("BRAID_DIRECT_MAX_BYTES") {
-            c.direct_max_bytes = parse_num("BRAID_DIRECT_MAX_BYTES", &v, 0, 64 << 20)? as usize;
+            c.direct_max_bytes = DIRECT_MAX_BYTES.parse(&v)? as usize;
         }
         if let Some(v) = lookup("BRAID_DEBUG_CHECKS") {
             c.debug_checks = parse_bool("BRAID_DEBUG_CHECKS", &v)?;
@@ -247,7 +349,7 @@ impl Config {
             c.transport = if t.is_empty() { "auto".into() } else { t };
         }
         if let Some(v) = lookup("BRAID_SOCKETS_PER_PEER") {
-            c.sockets_per_peer = parse_num("BRAID_SOCKETS_PER_PEER", &v, 1, 16)? as usize;
+            c.sockets_per_peer = SOCKETS_PER_PEER.parse(&v)? as usize;
         }
         if let Some(v) = lookup("BRAID_SOCKET_IFNAME") {
             c.socket_ifname = Some(v.trim().to_string()).filter(|v| !v.is_empty());
@@ -269,32 +371,29 @@ impl Config {
             c.ib.hca = Some(v.trim().to_string()).filter(|v| !v.is_empty());
         }
         if let Some(v) = lookup("BRAID_IB_QPS_PER_PEER") {
-            c.ib.qps_per_peer = parse_num("BRAID_IB_QPS_PER_PEER", &v, 1, 16)? as usize;
+            c.ib.qps_per_peer = IB_QPS_PER_PEER.parse(&v)? as usize;
         }
         if let Some(v) = lookup("BRAID_IB_GID_INDEX") {
-            c.ib.gid_index = Some(parse_num("BRAID_IB_GID_INDEX", &v, 0, 255)? as u32);
+            c.ib.gid_index = Some(IB_GID_INDEX.parse(&v)? as u32);
         }
         if let Some(v) = lookup("BRAID_IB_TC") {
-            c.ib.traffic_class = parse_num("BRAID_IB_TC", &v, 0, 255)? as u8;
+            c.ib.traffic_class = IB_TC.parse(&v)? as u8;
         }
         if let Some(v) = lookup("BRAID_IB_TIMEOUT") {
-            c.ib.timeout = parse_num("BRAID_IB_TIMEOUT", &v, 1, 31)? as u8;
+            c.ib.timeout = IB_TIMEOUT.parse(&v)? as u8;
         }
         if let Some(v) = lookup("BRAID_IB_RETRY_CNT") {
-            c.ib.retry_cnt = parse_num("BRAID_IB_RETRY_CNT", &v, 0, 7)? as u8;
+            c.ib.retry_cnt = IB_RETRY_CNT.parse(&v)? as u8;
         }
         if let Some(v) = lookup("BRAID_IB_MTU") {
-            let m = parse_num("BRAID_IB_MTU", &v, 256, 4096)? as u32;
-            if !m.is_power_of_two() {
-                return Err(Error::invalid(format!(
-                    "BRAID_IB_MTU={m} is not 256, 512, 1024, 2048 or 4096"
-                )));
+            let m = IB_MTU.parse(&v)? as u32;
+            if let Some(why) = mtu_refused(m) {
+                return Err(Error::invalid(format!("BRAID_IB_MTU={why}")));
             }
             c.ib.mtu = Some(m);
         }
         if let Some(v) = lookup("BRAID_IB_TEST_BAD_RKEY") {
-            c.ib.test_bad_rkey_rank =
-                Some(parse_num("BRAID_IB_TEST_BAD_RKEY", &v, 0, u32::MAX as u64)? as usize);
+            c.ib.test_bad_rkey_rank = Some(IB_TEST_BAD_RKEY.parse(&v)? as usize);
         }
         if let Some(v) = lookup("BRAID_DEBUG") {
             c.debug = match v.trim().to_ascii_lowercase().as_str() {
@@ -376,5 +475,145 @@ mod tests {
         }
         assert!(parse_bool("X", "maybe").is_err());
         assert!(parse_bool("X", "1").unwrap());
+    }
+
+    #[test]
+    fn built_configs_are_checked_with_the_variables_ranges() {
+        assert!(Config::default().check().is_ok());
+        // Every value the environment accepts at either end of its range passes the check.
+        for end in ["min", "max"] {
+            let value = |l: &Limit| if end == "min" { l.min } else { l.max };
+            let vars: Vec<(&str, String)> = [
+                &TIMEOUT_MS,
+                &CHUNK_BYTES,
+                &SLOTS,
+                &STREAMS,
+                &CHANNELS,
+                &SPIN_US,
+                &DIRECT_MAX_BYTES,
+                &SOCKETS_PER_PEER,
+                &IB_QPS_PER_PEER,
+                &IB_GID_INDEX,
+                &IB_TC,
+                &IB_TIMEOUT,
+                &IB_RETRY_CNT,
+                &IB_MTU,
+                &IB_TEST_BAD_RKEY,
+            ]
+            .into_iter()
+            .map(|l| (l.var, value(l).to_string()))
+            .collect();
+            let c =
+                Config::from_lookup(|k| vars.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone()))
+                    .unwrap();
+            c.check().unwrap();
+        }
+        // Each field out of its range is refused, naming the field and the variable.
+        let d = Config::default;
+        let ib = |f: fn(&mut IbConfig)| {
+            let mut c = d();
+            f(&mut c.ib);
+            c
+        };
+        for (c, field, var) in [
+            (
+                Config {
+                    timeout: Duration::MAX,
+                    ..d()
+                },
+                "timeout",
+                "BRAID_TIMEOUT_MS",
+            ),
+            (
+                Config {
+                    timeout: Duration::from_micros(500),
+                    ..d()
+                },
+                "timeout",
+                "BRAID_TIMEOUT_MS",
+            ),
+            (
+                Config {
+                    chunk_bytes: 0,
+                    ..d()
+                },
+                "chunk_bytes",
+                "BRAID_CHUNK_BYTES",
+            ),
+            (
+                Config {
+                    chunk_bytes: usize::MAX,
+                    ..d()
+                },
+                "chunk_bytes",
+                "BRAID_CHUNK_BYTES",
+            ),
+            (Config { slots: 1, ..d() }, "slots", "BRAID_SLOTS"),
+            (Config { slots: 128, ..d() }, "slots", "BRAID_SLOTS"),
+            (Config { streams: 0, ..d() }, "streams", "BRAID_STREAMS"),
+            (Config { streams: 9, ..d() }, "streams", "BRAID_STREAMS"),
+            (Config { channels: 0, ..d() }, "channels", "BRAID_CHANNELS"),
+            (
+                Config {
+                    spin_us: Some(u64::MAX),
+                    ..d()
+                },
+                "spin_us",
+                "BRAID_SPIN_US",
+            ),
+            (
+                Config {
+                    direct_max_bytes: usize::MAX,
+                    ..d()
+                },
+                "direct_max_bytes",
+                "BRAID_DIRECT_MAX_BYTES",
+            ),
+            (
+                Config {
+                    sockets_per_peer: 0,
+                    ..d()
+                },
+                "sockets_per_peer",
+                "BRAID_SOCKETS_PER_PEER",
+            ),
+            (
+                ib(|i| i.qps_per_peer = 17),
+                "ib.qps_per_peer",
+                "BRAID_IB_QPS_PER_PEER",
+            ),
+            (
+                ib(|i| i.gid_index = Some(256)),
+                "ib.gid_index",
+                "BRAID_IB_GID_INDEX",
+            ),
+            (ib(|i| i.timeout = 0), "ib.timeout", "BRAID_IB_TIMEOUT"),
+            (
+                ib(|i| i.retry_cnt = 8),
+                "ib.retry_cnt",
+                "BRAID_IB_RETRY_CNT",
+            ),
+            (ib(|i| i.mtu = Some(8192)), "ib.mtu", "BRAID_IB_MTU"),
+            (
+                ib(|i| i.test_bad_rkey_rank = Some(usize::MAX)),
+                "ib.test_bad_rkey_rank",
+                "BRAID_IB_TEST_BAD_RKEY",
+            ),
+        ] {
+            let e = c.check().unwrap_err();
+            assert!(e.is_invalid_argument(), "{e:?}");
+            let text = e.to_string();
+            assert!(text.contains(field) && text.contains(var), "{text}");
+        }
+        // Within range but not a power of two.
+        for (c, field, value) in [
+            (Config { slots: 3, ..d() }, "slots", "3 slots"),
+            (ib(|i| i.mtu = Some(1000)), "ib.mtu", "1000 is not"),
+        ] {
+            let e = c.check().unwrap_err();
+            assert!(e.is_invalid_argument(), "{e:?}");
+            let text = e.to_string();
+            assert!(text.contains(field) && text.contains(value), "{text}");
+        }
     }
 }

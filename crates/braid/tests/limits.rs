@@ -1,5 +1,6 @@
-//! A world larger than braid supports is refused up front: an invalid argument naming the limit, before
-//! any socket is opened or any shared-memory segment is created.
+//! A world larger than braid supports, or a `Config` built in code with a setting out of its range, is
+//! refused up front: an invalid argument naming the limit, before any socket is opened or any
+//! shared-memory segment is created.
 
 use std::time::{Duration, Instant};
 
@@ -89,4 +90,40 @@ fn oversized_worlds_are_invalid_arguments_naming_the_limit() {
         Err(e) => e,
     };
     assert!(!e.is_invalid_argument(), "{e}");
+}
+
+#[test]
+fn settings_out_of_range_in_a_built_config_are_invalid_arguments() {
+    let d = Config::default;
+    for (config, field) in [
+        // Once added to the start of a wait, this deadline would overflow the clock.
+        (
+            Config {
+                timeout: Duration::MAX,
+                ..d()
+            },
+            "timeout",
+        ),
+        (
+            Config {
+                chunk_bytes: 0,
+                ..d()
+            },
+            "chunk_bytes",
+        ),
+        (Config { streams: 0, ..d() }, "streams"),
+        (Config { slots: 3, ..d() }, "slots"),
+        (
+            Config {
+                sockets_per_peer: 0,
+                transport: "tcp".into(),
+                ..d()
+            },
+            "sockets_per_peer",
+        ),
+    ] {
+        let e = refused(2, config);
+        assert!(e.is_invalid_argument(), "{e:?}");
+        assert!(e.to_string().contains(field), "{e}");
+    }
 }

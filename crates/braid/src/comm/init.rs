@@ -177,9 +177,7 @@ impl Communicator {
                 "rank {rank} is out of range for world size {world}"
             )));
         }
-        if let Some(why) = Config::slots_refused(config.slots) {
-            return Err(Error::invalid(why));
-        }
+        config.check()?;
         let policy = match config.algo.as_deref() {
             Some(text) => AlgoPolicy::parse(text)
                 .map_err(|e| Error::invalid(format!("BRAID_ALGO={text:?}: {e}")))?,
