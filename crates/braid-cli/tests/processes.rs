@@ -754,9 +754,10 @@ fn test_perf_runs_and_checks() {
     assert!(!text.contains("\"wrong\": 1"), "{text}");
 }
 
-/// Every algorithm at 3 ranks under valgrind's memcheck: no invalid access or use of uninitialised
-/// memory in any rank, and exact results (braid must also run at all there: valgrind gives a process
-/// no usable vDSO and lacks some newer system calls, which braid falls back from).
+/// Every all-reduce algorithm at 3 ranks under valgrind's memcheck: no invalid access or use of
+/// uninitialised memory in any rank, and exact results (braid must also run at all there: valgrind
+/// gives a process no usable vDSO and lacks some newer system calls, such as `pidfd_open`, which
+/// braid falls back from; valgrind's warnings about it in the output are expected).
 fn test_perf_under_valgrind() -> Result<(), String> {
     let probe = Command::new("valgrind").arg("--version").output();
     if !probe.is_ok_and(|o| o.status.success()) {

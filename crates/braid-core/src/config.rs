@@ -265,8 +265,13 @@ impl Config {
     /// with this before anything starts. The error is an invalid argument naming the field, its value
     /// and the range.
     pub fn check(&self) -> Result<(), Error> {
-        let ms = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX);
-        TIMEOUT_MS.check(ms)?;
+        let ms = self.timeout.as_millis();
+        if ms < u128::from(TIMEOUT_MS.min) || ms > u128::from(TIMEOUT_MS.max) {
+            return Err(Error::invalid(format!(
+                "config: timeout = {:?} is out of range {} ms..={} ms (the range of {})",
+                self.timeout, TIMEOUT_MS.min, TIMEOUT_MS.max, TIMEOUT_MS.var
+            )));
+        }
         CHUNK_BYTES.check(self.chunk_bytes as u64)?;
         SLOTS.check(self.slots as u64)?;
         if let Some(why) = Config::slots_refused(self.slots) {

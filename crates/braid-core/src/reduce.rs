@@ -3,7 +3,8 @@
 //! Buffers are `&[u8]` because they come from users (any alignment) and from shared-memory slots. Every
 //! kernel takes a fast path when all buffers are aligned for their element type (typed slices, loops the
 //! compiler vectorises, no per-element dispatch: the reduction is a monomorphised closure) and otherwise
-//! goes through small aligned blocks on the stack.
+//! goes through small aligned blocks on the stack; [`reduce_ordered`] of at most 16 elements (the
+//! latency path) reads each element unaligned instead.
 //!
 //! Partial results live in the accumulator type ([`DType::accumulator`]): f16 and bf16 partials are f32 and
 //! are rounded once, when the result is finalised. Integer arithmetic wraps. `avg` sums and then divides by

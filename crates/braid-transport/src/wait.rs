@@ -88,10 +88,8 @@ impl Stamp {
     pub fn now() -> Stamp {
         // Through the C library, which finds the vDSO itself and falls back to the system call
         // where there is none (rustix's own vDSO lookup faults under valgrind).
-        let mut t = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
+        // SAFETY: a timespec is plain integers (and padding on some targets): all zeroes is a value.
+        let mut t: libc::timespec = unsafe { std::mem::zeroed() };
         // SAFETY: `t` is a valid, writable timespec; CLOCK_MONOTONIC_COARSE exists on every Linux
         // braid runs on (2.6.32+), so the call cannot fail and leaves `t` set.
         unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut t) };

@@ -443,34 +443,65 @@ struct Ring {
     released: Cell<u32>,
 }
 
+/// The accessors below are for a ring of a peer with a segment (`tx` and `rx` set), the only kind
+/// [`ShmLink::ring`] hands out; `index` is below the slot count and `stride` the layout's slot stride.
 impl Ring {
-    /// The ring of `seg`'s channel block `ch` from rank `from`, with its bounds checked once here.
+    /// The address of `seg`'s channel block `ch` from rank `from`, checked once here to lie within
+    /// the mapping.
     fn block(seg: &Segment, from: usize, ch: usize) -> usize {
         let off = seg.layout.channel(from, ch);
-        assert!(off + seg.layout.channel_stride() <= seg.layout.size());
+        assert!(off + seg.layout.channel_stride() <= seg.map.len());
         seg.map.as_mut_ptr() as usize + off
     }
 
-    /// Header of outbound slot `index` (`stride` bytes per slot).
+    /// Header of outbound slot `index` (in the peer's segment).
     #[inline]
     fn tx_slot(&self, stride: usize, index: usize) -> *mut u8 {
+        debug_assert!(self.tx != 0, "a ring without a segment");
         (self.tx + CTRL + index * stride) as *mut u8
     }
 
-    /// Header of inbound slot `index`.
+    /// Header of inbound slot `index` (in this rank's segment).
     #[inline]
     fn rx_slot(&self, stride: usize, index: usize) -> *mut u8 {
+        debug_assert!(self.rx != 0, "a ring without a segment");
         (self.rx + CTRL + index * stride) as *mut u8
     }
 
-    /// The control or sequence word at `addr` (one of the addresses above, plus a field offset).
+    /// Control word `field` (a `C_*` offset) of the outbound block.
     #[inline]
-    fn word(&self, addr: usize) -> &AtomicU32 {
-        // SAFETY: `addr` lies in a channel block checked in bounds by `Ring::block`, at a 4-aligned
-        // offset (fields and slot strides are multiples of 4, the mapping page-aligned); the link owns
-        // the mappings and so outlives every ring; cross-process access to these words is atomic.
-        unsafe { &*(addr as *const AtomicU32) }
+    fn tx_ctrl(&self, field: usize) -> &AtomicU32 {
+        debug_assert!(self.tx != 0 && field < CTRL, "a ring without a segment");
+        // SAFETY: as in `seq`.
+        unsafe { atomic_at(self.tx + field) }
     }
+
+    /// Control word `field` of the inbound block.
+    #[inline]
+    fn rx_ctrl(&self, field: usize) -> &AtomicU32 {
+        debug_assert!(self.rx != 0 && field < CTRL, "a ring without a segment");
+        // SAFETY: as in `seq`.
+        unsafe { atomic_at(self.rx + field) }
+    }
+
+    /// The sequence word of the slot whose header is `hdr` (from `tx_slot` or `rx_slot`).
+    #[inline]
+    fn seq(&self, hdr: *mut u8) -> &AtomicU32 {
+        // SAFETY: slot headers and control words lie in a channel block checked within its mapping by
+        // `Ring::block`, at 4-aligned offsets (fields and strides are multiples of 4, mappings are
+        // page-aligned); the link owns the mappings, so they outlive its rings.
+        unsafe { atomic_at(hdr as usize + S_SEQ) }
+    }
+}
+
+/// The shared 32-bit word at `addr`; cross-process access to these words is atomic.
+///
+/// # Safety
+/// `addr` is 4-aligned and lies within a mapping that outlives `'a`.
+#[inline]
+unsafe fn atomic_at<'a>(addr: usize) -> &'a AtomicU32 {
+    // SAFETY: the caller's contract.
+    unsafe { &*(addr as *const AtomicU32) }
 }
 
 /// Where the payloads of an `ipc` link live: this rank's inbound rings and its peers', mapped.
@@ -687,7 +718,7 @@ impl ShmLink {
         if s.wrapping_sub(ring.credit_seen.get()) < slots {
             return true;
         }
-        let c = ring.word(ring.tx + C_CONSUMED).load(Ordering::Acquire);
+        let c = ring.tx_ctrl(C_CONSUMED).load(Ordering::Acquire);
         ring.credit_seen.set(c);
         s.wrapping_sub(c) < slots
     }
@@ -795,12 +826,12 @@ impl Link for ShmLink {
             hdr.add(S_TAG).cast::<u32>().write_volatile(tag);
         }
         ring.posted.set(s.wrapping_add(1));
-        let seq = ring.word(hdr as usize + S_SEQ);
+        let seq = ring.seq(hdr);
         seq.store(s.wrapping_add(1), Ordering::Release);
         // With the fence in `wait_until`: the receiver sees this post, or we see that it sleeps (the
         // handshake the loom model in tests/loom_protocol.rs checks).
         fence(Ordering::SeqCst);
-        if ring.word(ring.tx + C_RECV_WAITING).load(Ordering::Relaxed) != 0 {
+        if ring.tx_ctrl(C_RECV_WAITING).load(Ordering::Relaxed) != 0 {
             futex_wake(seq);
         }
         Ok(())
@@ -816,7 +847,7 @@ impl Link for ShmLink {
         let r = ring.recvd.get();
         let index = self.index(r);
         let ptr = ring.rx_slot(self.stride, index);
-        if ring.word(ptr as usize + S_SEQ).load(Ordering::Acquire) != r.wrapping_add(1) {
+        if ring.seq(ptr).load(Ordering::Acquire) != r.wrapping_add(1) {
             return Ok(None);
         }
         // SAFETY: the slot header is within the mapping; the sender wrote it before the Release store of
@@ -870,11 +901,11 @@ impl Link for ShmLink {
         )?;
         let r = slot.msg.wrapping_add(1);
         ring.released.set(r);
-        let consumed = ring.word(ring.rx + C_CONSUMED);
+        let consumed = ring.rx_ctrl(C_CONSUMED);
         consumed.store(r, Ordering::Release);
         // As in `post`: the sender sees the credit, or we see that it sleeps.
         fence(Ordering::SeqCst);
-        if ring.word(ring.rx + C_SEND_WAITING).load(Ordering::Relaxed) != 0 {
+        if ring.rx_ctrl(C_SEND_WAITING).load(Ordering::Relaxed) != 0 {
             futex_wake(consumed);
         }
         Ok(())
