@@ -192,7 +192,7 @@ impl Limit {
                 self.var
             ))
         })?;
-        if v < self.min || v > self.max {
+        if !self.contains(u128::from(v)) {
             return Err(Error::invalid(format!(
                 "{}={v} is out of range {}..={}",
                 self.var, self.min, self.max
@@ -201,9 +201,14 @@ impl Limit {
         Ok(v)
     }
 
+    /// Whether `v` is in range.
+    fn contains(&self, v: u128) -> bool {
+        (u128::from(self.min)..=u128::from(self.max)).contains(&v)
+    }
+
     /// Whether the field's value `v` is in range.
     fn check(&self, v: u64) -> Result<(), Error> {
-        if v < self.min || v > self.max {
+        if !self.contains(u128::from(v)) {
             return Err(Error::invalid(format!(
                 "config: {} = {v} is out of range {}..={} (the range of {})",
                 self.field, self.min, self.max, self.var
@@ -265,8 +270,7 @@ impl Config {
     /// with this before anything starts. The error is an invalid argument naming the field, its value
     /// and the range.
     pub fn check(&self) -> Result<(), Error> {
-        let ms = self.timeout.as_millis();
-        if ms < u128::from(TIMEOUT_MS.min) || ms > u128::from(TIMEOUT_MS.max) {
+        if !TIMEOUT_MS.contains(self.timeout.as_millis()) {
             return Err(Error::invalid(format!(
                 "config: timeout = {:?} is out of range {} ms..={} ms (the range of {})",
                 self.timeout, TIMEOUT_MS.min, TIMEOUT_MS.max, TIMEOUT_MS.var

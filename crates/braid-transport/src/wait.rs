@@ -76,9 +76,9 @@ impl WaitCtx<'_> {
 }
 
 /// A reading of the kernel's coarse monotonic clock (`CLOCK_MONOTONIC_COARSE`, in nanoseconds): the
-/// time to within one tick (1 to 10 ms, the kernel's `HZ`) at a fraction of the cost of [`Instant::now`]. An op's start
-/// and deadline are taken from it on the 8-byte path, where a collective's timeout is seconds and
-/// reading the precise clock twice per call is measurable.
+/// time to within one tick (1 to 10 ms, the kernel's `HZ`) at a fraction of the cost of
+/// [`Instant::now`]. An op's start and deadline are taken from it on the 8-byte path, where a
+/// collective's timeout is seconds and reading the precise clock twice per call is measurable.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Stamp(u64);
 

@@ -609,11 +609,11 @@ impl ShmLink {
     /// The ring to or from `peer` on channel `ch`, and the peer's segment.
     #[inline]
     fn ring(&self, peer: usize, ch: usize) -> Result<(&Ring, &Segment), Error> {
-        match (self.peer(peer), ch < self.layout.channels) {
-            (Some(seg), true) => match self.rings.get(peer * self.layout.channels + ch) {
-                Some(ring) => Ok((ring, seg)),
-                None => Err(no_ring(peer, ch)),
-            },
+        let ring = (ch < self.layout.channels)
+            .then(|| self.rings.get(peer * self.layout.channels + ch))
+            .flatten();
+        match (self.peer(peer), ring) {
+            (Some(seg), Some(ring)) => Ok((ring, seg)),
             _ => Err(no_ring(peer, ch)),
         }
     }
@@ -920,12 +920,10 @@ impl Link for ShmLink {
         until: Instant,
     ) -> Result<(), Error> {
         let (ring, seg) = self.ring(peer, ch)?;
-        let me = self.maps.rank;
         let r = match event {
             Event::Data => {
-                let own = &self.maps.own;
                 let r = ring.recvd.get();
-                let seq = own.slot_seq(peer, ch, self.index(r));
+                let seq = ring.seq(ring.rx_slot(self.stride, self.index(r)));
                 let want = r.wrapping_add(1);
                 wait_until(
                     &self.policy,
@@ -934,7 +932,7 @@ impl Link for ShmLink {
                     peer,
                     event.describe(),
                     seq,
-                    own.ctrl(peer, ch, C_RECV_WAITING),
+                    ring.rx_ctrl(C_RECV_WAITING),
                     || seq.load(Ordering::Acquire) == want,
                     || self.check_peer(ctx, peer, seg),
                 )
@@ -945,8 +943,8 @@ impl Link for ShmLink {
                 until,
                 peer,
                 event.describe(),
-                seg.ctrl(me, ch, C_CONSUMED),
-                seg.ctrl(me, ch, C_SEND_WAITING),
+                ring.tx_ctrl(C_CONSUMED),
+                ring.tx_ctrl(C_SEND_WAITING),
                 || self.has_credit(ring),
                 || self.check_peer(ctx, peer, seg),
             ),
