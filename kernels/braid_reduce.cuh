@@ -11,8 +11,10 @@
 // - f16 and bf16 accumulate in f32 and are rounded once (round to nearest even);
 // - avg sums, then divides once by the number of contributions in the accumulator type
 //   (truncating integer division, IEEE division for floats).
-// One difference cannot be avoided on a GPU: its float arithmetic returns the canonical NaN, so NaN
-// payloads (not NaN-ness) may differ from the CPU's.
+// Conversions keep a NaN's sign and payload on both sides (the GPU's conversion instructions would
+// return the canonical NaN, so NaNs take the integer path there). One difference cannot be avoided on a
+// GPU: its float arithmetic (a + b, a * b with a NaN operand) returns the canonical NaN, so the payload
+// of a NaN that went through arithmetic may differ from the CPU's (NaN-ness never does).
 #ifndef BRAID_REDUCE_CUH
 #define BRAID_REDUCE_CUH
 
@@ -59,9 +61,14 @@ BRAID_HD unsigned int f32_to_bits(float f) {
 // f16 -> f32 (exact). Host: integer code; a NaN keeps its payload and is quieted.
 BRAID_HD float f16_to_f32(half_t h) {
 #ifdef __CUDA_ARCH__
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));
-  return f;
+  // The conversion instruction returns the canonical NaN: a NaN takes the integer path, which keeps
+  // its sign and payload.
+  if ((h.bits & 0x7c00u) != 0x7c00u || (h.bits & 0x3ffu) == 0) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));
+    return f;
+  }
+  return bits_to_f32((((unsigned int)h.bits & 0x8000u) << 16) | 0x7fc00000u | (((unsigned int)h.bits & 0x3ffu) << 13));
 #else
   unsigned int sign = ((unsigned int)h.bits & 0x8000u) << 16;
   unsigned int exp = ((unsigned int)h.bits >> 10) & 0x1fu;
@@ -81,15 +88,20 @@ BRAID_HD float f16_to_f32(half_t h) {
 // f32 -> f16, round to nearest even; overflow to infinity; a NaN stays a (quiet) NaN.
 BRAID_HD half_t f32_to_f16(float f) {
   half_t h;
-#ifdef __CUDA_ARCH__
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
-#else
   unsigned int x = f32_to_bits(f);
   unsigned int sign = (x >> 16) & 0x8000u;
   unsigned int exp = (x >> 23) & 0xffu;
   unsigned int man = x & 0x7fffffu;
+  if (exp == 0xffu && man != 0) {
+    // A NaN keeps its sign and the top of its payload (the instruction would return the canonical NaN).
+    h.bits = (unsigned short)(sign | 0x7c00u | 0x200u | (man >> 13));
+    return h;
+  }
+#ifdef __CUDA_ARCH__
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+#else
   if (exp == 0xffu) {
-    h.bits = (unsigned short)(sign | 0x7c00u | (man ? 0x200u : 0u) | (man >> 13));
+    h.bits = (unsigned short)(sign | 0x7c00u);
     return h;
   }
   int e = (int)exp - 127 + 15;
@@ -127,14 +139,15 @@ BRAID_HD float bf16_to_f32(bfloat16_t b) {
 // f32 -> bf16, round to nearest even; a NaN stays a (quiet) NaN.
 BRAID_HD bfloat16_t f32_to_bf16(float f) {
   bfloat16_t b;
-#ifdef __CUDA_ARCH__
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b.bits) : "f"(f));
-#else
   unsigned int x = f32_to_bits(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) {
+    // A NaN keeps its sign and the top of its payload (the instruction would return the canonical NaN).
     b.bits = (unsigned short)((x >> 16) | 0x40u);
     return b;
   }
+#ifdef __CUDA_ARCH__
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b.bits) : "f"(f));
+#else
   unsigned int r = x >> 16;
   if ((x & 0x8000u) && (x & 0x17fffu)) r += 1;
   b.bits = (unsigned short)r;
