@@ -46,9 +46,16 @@
 
 #include "braid_reduce_copy.cuh"
 
-#if !defined(__CUDACC__) && !defined(__CUDACC_RTC__)
+#if !defined(__CUDACC_RTC__)
 #include <sched.h>
 #include <time.h>
+#endif
+
+// Device code only (it calls __syncthreads and atomics); for the host tests, plain inline functions.
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define BRAID_D __device__ __forceinline__
+#else
+#define BRAID_D inline
 #endif
 
 namespace braid {
@@ -102,7 +109,7 @@ struct ArDesc {
   unsigned long long pad[2];
 };
 
-BRAID_HD unsigned int ld_acquire_sys(const unsigned int* p) {
+BRAID_D unsigned int ld_acquire_sys(const unsigned int* p) {
 #ifdef __CUDA_ARCH__
   unsigned int v;
   asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -112,7 +119,7 @@ BRAID_HD unsigned int ld_acquire_sys(const unsigned int* p) {
 #endif
 }
 
-BRAID_HD unsigned int ld_relaxed_sys(const unsigned int* p) {
+BRAID_D unsigned int ld_relaxed_sys(const unsigned int* p) {
 #ifdef __CUDA_ARCH__
   unsigned int v;
   asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -122,7 +129,7 @@ BRAID_HD unsigned int ld_relaxed_sys(const unsigned int* p) {
 #endif
 }
 
-BRAID_HD void st_release_sys(unsigned int* p, unsigned int v) {
+BRAID_D void st_release_sys(unsigned int* p, unsigned int v) {
 #ifdef __CUDA_ARCH__
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 #else
@@ -130,7 +137,7 @@ BRAID_HD void st_release_sys(unsigned int* p, unsigned int v) {
 #endif
 }
 
-BRAID_HD void st_relaxed_sys(unsigned int* p, unsigned int v) {
+BRAID_D void st_relaxed_sys(unsigned int* p, unsigned int v) {
 #ifdef __CUDA_ARCH__
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 #else
@@ -138,7 +145,7 @@ BRAID_HD void st_relaxed_sys(unsigned int* p, unsigned int v) {
 #endif
 }
 
-BRAID_HD void fence_sys() {
+BRAID_D void fence_sys() {
 #ifdef __CUDA_ARCH__
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 #else
@@ -147,7 +154,7 @@ BRAID_HD void fence_sys() {
 }
 
 // Nanoseconds of a clock every block of the device shares.
-BRAID_HD unsigned long long now_ns() {
+BRAID_D unsigned long long now_ns() {
 #ifdef __CUDA_ARCH__
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -159,7 +166,7 @@ BRAID_HD unsigned long long now_ns() {
 #endif
 }
 
-BRAID_HD void pause_briefly() {
+BRAID_D void pause_briefly() {
 #ifdef __CUDA_ARCH__
   __nanosleep(64);
 #else
@@ -168,22 +175,22 @@ BRAID_HD void pause_briefly() {
 }
 
 // Whether `value` has reached `target`, modulo 2^32.
-BRAID_HD bool reached(unsigned int value, unsigned int target) { return (int)(value - target) >= 0; }
+BRAID_D bool reached(unsigned int value, unsigned int target) { return (int)(value - target) >= 0; }
 
-BRAID_HD unsigned int* ar_flag(unsigned long long window, unsigned int block, unsigned int peer) {
+BRAID_D unsigned int* ar_flag(unsigned long long window, unsigned int block, unsigned int peer) {
   return (unsigned int*)(window + AR_FLAGS_OFF + ((unsigned long long)block * AR_MAX_RANKS + peer) * AR_LINE);
 }
 
-BRAID_HD ArDesc* ar_desc(unsigned long long window, unsigned int block, unsigned int parity) {
+BRAID_D ArDesc* ar_desc(unsigned long long window, unsigned int block, unsigned int parity) {
   return (ArDesc*)(window + AR_DESC_OFF + ((unsigned long long)block * 2 + parity) * AR_DESC_BYTES);
 }
 
-BRAID_HD ArState* ar_state(unsigned long long window, unsigned int block) {
+BRAID_D ArState* ar_state(unsigned long long window, unsigned int block) {
   return (ArState*)(window + AR_STATE_OFF + (unsigned long long)block * AR_LINE);
 }
 
 // Records the first failure of the launch in the status words, and this block's in its state.
-BRAID_HD void ar_fail(const ArArgs& a, ArState* st, unsigned int code, unsigned int peer, unsigned int epoch) {
+BRAID_D void ar_fail(const ArArgs& a, ArState* st, unsigned int code, unsigned int peer, unsigned int epoch) {
   unsigned int* status = (unsigned int*)a.status;
   if (status && atomicCAS(status, 0u, code) == 0u) {
     status[1] = peer;
@@ -195,7 +202,7 @@ BRAID_HD void ar_fail(const ArArgs& a, ArState* st, unsigned int code, unsigned 
 }
 
 // [lo, hi) of part i of n equal parts of len elements, each part a multiple of `align` elements.
-BRAID_HD void ar_split(unsigned long long len, unsigned int n, unsigned int i, unsigned long long align,
+BRAID_D void ar_split(unsigned long long len, unsigned int n, unsigned int i, unsigned long long align,
                        unsigned long long* lo, unsigned long long* hi) {
   unsigned long long per = (len + n - 1) / n;
   per = (per + align - 1) / align * align;
@@ -209,7 +216,7 @@ BRAID_HD void ar_split(unsigned long long len, unsigned int n, unsigned int i, u
 // collective but the last is full and the last is laid out like the full ones, so a block touches the
 // same staging bytes in every iteration: blocks advance independently, and a block's staging writes must
 // never land where another block of a slower peer may still be reading two iterations back.
-BRAID_HD void ar_part(unsigned long long len, unsigned long long span, unsigned int n, unsigned int q,
+BRAID_D void ar_part(unsigned long long len, unsigned long long span, unsigned int n, unsigned int q,
                       unsigned int nb, unsigned int b, unsigned long long align, unsigned long long* lo,
                       unsigned long long* hi) {
   unsigned long long slo, shi, plo, phi;
@@ -220,7 +227,7 @@ BRAID_HD void ar_part(unsigned long long len, unsigned long long span, unsigned 
 }
 
 // Copies n bytes; thread t of nt. 16-byte vectors where source and destination share an alignment.
-BRAID_HD void ar_copy(unsigned char* dst, const unsigned char* src, unsigned long long n, unsigned long long t,
+BRAID_D void ar_copy(unsigned char* dst, const unsigned char* src, unsigned long long n, unsigned long long t,
                       unsigned long long nt) {
   if (((unsigned long long)dst ^ (unsigned long long)src) % 16u) {
     for (unsigned long long i = t; i < n; i += nt) dst[i] = src[i];
@@ -248,38 +255,29 @@ BRAID_HD void ar_copy(unsigned char* dst, const unsigned char* src, unsigned lon
   for (unsigned long long i = head + vecs * 16 + t; i < n; i += nt) dst[i] = src[i];
 }
 
-template <class T, int OP>
+template <class T, int OP, int W>
 struct AllReduce {
   enum { ALIGN = 16 / (int)sizeof(T) };  // elements per 16 bytes: slices start 16-byte aligned
 
-  // dst[0, n) = reduce over ranks (in rank order) of src[r][0, n); every thread of the block calls.
-  static BRAID_HD void reduce(const ArArgs& a, const unsigned char* const* src, unsigned char* dst,
-                              unsigned long long n) {
+  // dst[0, n) = reduce over the W ranks (in rank order) of src[r][0, n); every thread of the block calls.
+  static BRAID_D void reduce(const unsigned char* const (&src)[W], unsigned char* dst,
+                             unsigned long long n) {
     if (n == 0) return;
     RcArgs rc;
-    for (int i = 0; i < RC_MAX_SRCS; i++) rc.src[i] = i < (int)a.world ? src[i] : 0;
+#pragma unroll
+    for (int i = 0; i < RC_MAX_SRCS; i++) rc.src[i] = i < W ? src[i < W ? i : 0] : 0;
     rc.dst[0] = dst;
     rc.dst[1] = 0;
     rc.count = n;
-    rc.nranks = a.world;
-    const unsigned long long t = threadIdx.x, nt = blockDim.x;
-    switch (a.world) {
-      case 1: ReduceCopy<T, OP, 1, 0u, 1, 0u>::run(rc, t, nt); break;
-      case 2: ReduceCopy<T, OP, 2, 0u, 1, 0u>::run(rc, t, nt); break;
-      case 3: ReduceCopy<T, OP, 3, 0u, 1, 0u>::run(rc, t, nt); break;
-      case 4: ReduceCopy<T, OP, 4, 0u, 1, 0u>::run(rc, t, nt); break;
-      case 5: ReduceCopy<T, OP, 5, 0u, 1, 0u>::run(rc, t, nt); break;
-      case 6: ReduceCopy<T, OP, 6, 0u, 1, 0u>::run(rc, t, nt); break;
-      case 7: ReduceCopy<T, OP, 7, 0u, 1, 0u>::run(rc, t, nt); break;
-      default: ReduceCopy<T, OP, 8, 0u, 1, 0u>::run(rc, t, nt); break;
-    }
+    rc.nranks = W;
+    ReduceCopy<T, OP, W, 0u, 1, 0u>::run(rc, threadIdx.x, blockDim.x);
   }
 
   // One barrier with block `blockIdx.x` of every peer at `epoch`; false (in every thread) on failure.
-  static BRAID_HD bool barrier(const ArArgs& a, ArState* st, unsigned int epoch, unsigned long long deadline) {
+  static BRAID_D bool barrier(const ArArgs& a, ArState* st, unsigned int epoch, unsigned long long deadline) {
     const unsigned int b = blockIdx.x, t = threadIdx.x;
     __syncthreads();
-    if (t < a.world && t != a.rank) {
+    if (t < (unsigned int)W && t != a.rank) {
       fence_sys();
       st_release_sys(ar_flag(a.window[t], b, a.rank), epoch);
       const unsigned int* mine = ar_flag(a.window[a.rank], b, t);
@@ -308,7 +306,7 @@ struct AllReduce {
   }
 
   // Block b's descriptor for this collective, published before its first barrier.
-  static BRAID_HD void publish(const ArArgs& a, unsigned int parity, unsigned int epoch) {
+  static BRAID_D void publish(const ArArgs& a, unsigned int parity, unsigned int epoch) {
     if (threadIdx.x != 0) return;
     ArDesc* d = ar_desc(a.window[a.rank], blockIdx.x, parity);
     d->count = a.count;
@@ -321,8 +319,8 @@ struct AllReduce {
   }
 
   // After the first barrier: every peer's descriptor matches this rank's; false (in every thread) if not.
-  static BRAID_HD bool check(const ArArgs& a, ArState* st, unsigned int parity, unsigned int epoch) {
-    if (threadIdx.x < a.world && threadIdx.x != a.rank) {
+  static BRAID_D bool check(const ArArgs& a, ArState* st, unsigned int parity, unsigned int epoch) {
+    if (threadIdx.x < (unsigned int)W && threadIdx.x != a.rank) {
       const ArDesc* mine = ar_desc(a.window[a.rank], blockIdx.x, parity);
       const ArDesc* theirs = ar_desc(a.window[threadIdx.x], blockIdx.x, parity);
       if (theirs->count != mine->count || theirs->send != mine->send || theirs->recv != mine->recv ||
@@ -334,11 +332,14 @@ struct AllReduce {
     return ld_relaxed_sys(&st->fail) == 0;
   }
 
-  static BRAID_HD void run(const ArArgs& a) {
+  static BRAID_D void run(const ArArgs& a) {
     const unsigned int b = blockIdx.x, nb = gridDim.x;
     const unsigned long long t = threadIdx.x, nt = blockDim.x;
-    const unsigned int R = a.rank, W = a.world;
+    const unsigned int R = a.rank;
     ArState* st = ar_state(a.window[R], b);
+    // After a failure the ranks' epochs disagree: a later launch returns at once, signalling nothing
+    // (a barrier whose flag happens to be reached would not notice the failure otherwise).
+    if (a.status && ld_relaxed_sys((const unsigned int*)a.status)) return;
     // Every thread reads the state before thread 0 may change it below.
     unsigned int epoch = st->epoch, iter = st->iter;
     if (t == 0) st_relaxed_sys(&st->fail, 0u);
@@ -350,21 +351,24 @@ struct AllReduce {
       const unsigned int parity = iter & 1u;
       publish(a, parity, epoch + 1);
       if (!barrier(a, st, ++epoch, deadline) || !check(a, st, parity, epoch)) return;
-      const unsigned char* in[AR_MAX_RANKS];
-      for (unsigned int r = 0; r < W; r++) in[r] = (const unsigned char*)(a.window[r] + a.heap_off + a.send);
+      const unsigned char* in[W];
+#pragma unroll
+      for (int r = 0; r < W; r++) in[r] = (const unsigned char*)(a.window[r] + a.heap_off + a.send);
       unsigned char* out_r = (unsigned char*)(a.window[R] + a.heap_off + a.recv);
       // Reduce-scatter: this rank's slice, this block's part, from every rank's input.
       unsigned long long lo, hi;
       ar_part(a.count, a.count, W, R, nb, b, ALIGN, &lo, &hi);
       {
-        const unsigned char* src[AR_MAX_RANKS];
-        for (unsigned int r = 0; r < W; r++) src[r] = in[r] + lo * sz;
-        reduce(a, src, out_r + lo * sz, hi - lo);
+        const unsigned char* src[W];
+#pragma unroll
+        for (int r = 0; r < W; r++) src[r] = in[r] + lo * sz;
+        reduce(src, out_r + lo * sz, hi - lo);
       }
       if (!barrier(a, st, ++epoch, deadline)) return;
       // All-gather: every other rank's reduced slice, this block's part, from its output.
-      for (unsigned int q = 0; q < W; q++) {
-        if (q == R) continue;
+#pragma unroll
+      for (int q = 0; q < W; q++) {
+        if (q == (int)R) continue;
         ar_part(a.count, a.count, W, q, nb, b, ALIGN, &lo, &hi);
         const unsigned char* out_q = (const unsigned char*)(a.window[q] + a.heap_off + a.recv);
         ar_copy(out_r + lo * sz, out_q + lo * sz, (hi - lo) * sz, t, nt);
@@ -378,8 +382,9 @@ struct AllReduce {
         const unsigned long long len = a.count - base < chunk ? a.count - base : chunk;
         const unsigned long long span = a.count > chunk ? chunk : len;
         const unsigned int parity = iter & 1u;
-        unsigned char* stage[AR_MAX_RANKS];
-        for (unsigned int r = 0; r < W; r++)
+        unsigned char* stage[W];
+#pragma unroll
+        for (int r = 0; r < W; r++)
           stage[r] = (unsigned char*)(a.window[r] + AR_STAGE_OFF + parity * a.stage_bytes);
         const unsigned char* in = (const unsigned char*)a.send + base * sz;
         unsigned char* out = (unsigned char*)a.recv + base * sz;
@@ -390,22 +395,26 @@ struct AllReduce {
           ar_copy(stage[R] + lo * sz, in + lo * sz, (hi - lo) * sz, t, nt);
           if (!barrier(a, st, ++epoch, deadline)) return;
           if (first && !check(a, st, parity, epoch)) return;
-          const unsigned char* src[AR_MAX_RANKS];
-          for (unsigned int r = 0; r < W; r++) src[r] = stage[r] + lo * sz;
-          reduce(a, src, out + lo * sz, hi - lo);
+          const unsigned char* src[W];
+#pragma unroll
+          for (int r = 0; r < W; r++) src[r] = stage[r] + lo * sz;
+          reduce(src, out + lo * sz, hi - lo);
         } else {
-          for (unsigned int q = 0; q < W; q++) {
+#pragma unroll
+          for (int q = 0; q < W; q++) {
             ar_part(len, span, W, q, nb, b, ALIGN, &lo, &hi);
             ar_copy(stage[R] + lo * sz, in + lo * sz, (hi - lo) * sz, t, nt);
           }
           if (!barrier(a, st, ++epoch, deadline)) return;
           if (first && !check(a, st, parity, epoch)) return;
           ar_part(len, span, W, R, nb, b, ALIGN, &lo, &hi);
-          const unsigned char* src[AR_MAX_RANKS];
-          for (unsigned int r = 0; r < W; r++) src[r] = stage[r] + lo * sz;
-          reduce(a, src, stage[R] + lo * sz, hi - lo);
+          const unsigned char* src[W];
+#pragma unroll
+          for (int r = 0; r < W; r++) src[r] = stage[r] + lo * sz;
+          reduce(src, stage[R] + lo * sz, hi - lo);
           if (!barrier(a, st, ++epoch, deadline)) return;
-          for (unsigned int q = 0; q < W; q++) {
+#pragma unroll
+          for (int q = 0; q < W; q++) {
             ar_part(len, span, W, q, nb, b, ALIGN, &lo, &hi);
             ar_copy(out + lo * sz, stage[q] + lo * sz, (hi - lo) * sz, t, nt);
           }
@@ -425,11 +434,14 @@ struct AllReduce {
 
 }  // namespace braid
 
-// The all-reduce entry points, named braid_ar_<dtype>_<op>: BRAID_AR_KERNEL(dt, T, on, OP) defines one.
+// The all-reduce entry points, named braid_ar_<dtype>_<op>_w<world>: BRAID_AR_KERNEL(dt, T, on, OP, W)
+// defines one. The world size is a template argument so that every per-rank array is unrolled into
+// registers (a run-time index would put them in local memory); a communicator compiles the one it needs.
 #define BRAID_AR_THREADS 512
-#define BRAID_AR_KERNEL(dt, T, on, OP)                                                                   \
-  extern "C" __global__ void __launch_bounds__(BRAID_AR_THREADS) braid_ar_##dt##_##on(braid::ArArgs a) { \
-    braid::AllReduce<T, OP>::run(a);                                                                    \
+#define BRAID_AR_KERNEL(dt, T, on, OP, W)                                                       \
+  extern "C" __global__ void __launch_bounds__(BRAID_AR_THREADS)                                \
+      braid_ar_##dt##_##on##_w##W(braid::ArArgs a) {                                            \
+    braid::AllReduce<T, OP, W>::run(a);                                                         \
   }
 
 #endif  // BRAID_COLLECTIVE_CUH

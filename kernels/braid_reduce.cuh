@@ -11,10 +11,9 @@
 // - f16 and bf16 accumulate in f32 and are rounded once (round to nearest even);
 // - avg sums, then divides once by the number of contributions in the accumulator type
 //   (truncating integer division, IEEE division for floats).
-// Conversions keep a NaN's sign and payload on both sides (the GPU's conversion instructions would
-// return the canonical NaN, so NaNs take the integer path there). One difference cannot be avoided on a
-// GPU: its float arithmetic (a + b, a * b with a NaN operand) returns the canonical NaN, so the payload
-// of a NaN that went through arithmetic may differ from the CPU's (NaN-ness never does).
+// NaNs come out as braid-core's do, bit for bit: conversions keep a NaN's sign and payload (the GPU's
+// conversion instructions would return the canonical NaN, so NaNs take the integer path there), and
+// float arithmetic follows x86's rules (see `nan_of`), which the GPU's own arithmetic does not.
 #ifndef BRAID_REDUCE_CUH
 #define BRAID_REDUCE_CUH
 
@@ -162,8 +161,29 @@ BRAID_HD int add(int a, int b) { return (int)((unsigned int)a + (unsigned int)b)
 BRAID_HD unsigned int add(unsigned int a, unsigned int b) { return a + b; }
 BRAID_HD long long add(long long a, long long b) { return (long long)((unsigned long long)a + (unsigned long long)b); }
 BRAID_HD unsigned long long add(unsigned long long a, unsigned long long b) { return a + b; }
-BRAID_HD float add(float a, float b) { return a + b; }
-BRAID_HD double add(double a, double b) { return a + b; }
+// Float arithmetic with x86's NaN rules, which braid-core's CPU reference follows: a NaN result is the
+// first NaN operand, quieted, or (an invalid operation such as inf - inf) the default NaN with its sign
+// bit set. A GPU returns its canonical NaN (0x7fffffff) instead, so there a NaN result is rebuilt (one
+// compare per element on the common path).
+#ifdef __CUDA_ARCH__
+BRAID_HD float nan_of(float r, float a, float b) {
+  if (r == r) return r;
+  if (a != a) return __int_as_float(__float_as_int(a) | 0x00400000);
+  if (b != b) return __int_as_float(__float_as_int(b) | 0x00400000);
+  return __int_as_float((int)0xffc00000u);
+}
+BRAID_HD double nan_of(double r, double a, double b) {
+  if (r == r) return r;
+  if (a != a) return __longlong_as_double(__double_as_longlong(a) | 0x0008000000000000ll);
+  if (b != b) return __longlong_as_double(__double_as_longlong(b) | 0x0008000000000000ll);
+  return __longlong_as_double((long long)0xfff8000000000000ull);
+}
+#else
+BRAID_HD float nan_of(float r, float, float) { return r; }
+BRAID_HD double nan_of(double r, double, double) { return r; }
+#endif
+BRAID_HD float add(float a, float b) { return nan_of(a + b, a, b); }
+BRAID_HD double add(double a, double b) { return nan_of(a + b, a, b); }
 
 BRAID_HD signed char mul(signed char a, signed char b) { return (signed char)(unsigned char)((unsigned int)(unsigned char)a * (unsigned int)(unsigned char)b); }
 BRAID_HD unsigned char mul(unsigned char a, unsigned char b) { return (unsigned char)((unsigned int)a * (unsigned int)b); }
@@ -171,8 +191,8 @@ BRAID_HD int mul(int a, int b) { return (int)((unsigned int)a * (unsigned int)b)
 BRAID_HD unsigned int mul(unsigned int a, unsigned int b) { return a * b; }
 BRAID_HD long long mul(long long a, long long b) { return (long long)((unsigned long long)a * (unsigned long long)b); }
 BRAID_HD unsigned long long mul(unsigned long long a, unsigned long long b) { return a * b; }
-BRAID_HD float mul(float a, float b) { return a * b; }
-BRAID_HD double mul(double a, double b) { return a * b; }
+BRAID_HD float mul(float a, float b) { return nan_of(a * b, a, b); }
+BRAID_HD double mul(double a, double b) { return nan_of(a * b, a, b); }
 
 // Division by the number of contributions (n >= 1), truncating for integers. Types of up to 32 bits
 // divide magnitudes in 32 bits (inline on a GPU; 64-bit division is a called routine there).
@@ -187,8 +207,8 @@ BRAID_HD int div_n(int a, unsigned int n) { return sdiv32(a, n); }
 BRAID_HD unsigned int div_n(unsigned int a, unsigned int n) { return a / n; }
 BRAID_HD long long div_n(long long a, unsigned int n) { return a / (long long)n; }
 BRAID_HD unsigned long long div_n(unsigned long long a, unsigned int n) { return a / (unsigned long long)n; }
-BRAID_HD float div_n(float a, unsigned int n) { return a / (float)n; }
-BRAID_HD double div_n(double a, unsigned int n) { return a / (double)n; }
+BRAID_HD float div_n(float a, unsigned int n) { return nan_of(a / (float)n, a, a); }
+BRAID_HD double div_n(double a, unsigned int n) { return nan_of(a / (double)n, a, a); }
 
 // `a op b`, with `a` the running partial (avg combines as sum).
 template <int OP, class A>

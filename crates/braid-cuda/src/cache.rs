@@ -1,8 +1,12 @@
 //! The on-disk cache of compiled kernels, so NVRTC runs once per (sources, options, architecture,
-//! NVRTC version) on a machine.
+//! NVRTC major version) on a machine.
 //!
 //! An entry is `<cache dir>/<key>.bin`, the key the SHA-256 of everything that shapes the binary: the
-//! embedded sources and headers, the NVRTC options, the architecture and NVRTC's version. The file is
+//! embedded sources and headers, the NVRTC options, the architecture and NVRTC's major version. The
+//! minor version is left out on purpose: CUDA's minor-version compatibility lets a driver load a CUBIN
+//! that a newer NVRTC of the same major version made, so a cache built ahead with another CUDA 13.x is
+//! used as it is; [`load_module`] compiles again (and replaces the entry) only when the driver refuses
+//! the cached image. The file is
 //! a header (magic, key, kind, length, SHA-256 of the image) and the image; it is written to a
 //! temporary file and renamed into place, and read back only when the header matches, so a torn or
 //! corrupt entry is compiled again (and replaced) rather than trusted. A cache directory that cannot
@@ -17,6 +21,7 @@ use std::path::{Path, PathBuf};
 use braid_core::Error;
 use sha2::{Digest, Sha256};
 
+use crate::driver::{Gpu, Module};
 use crate::nvrtc::{self, BinaryKind, Nvrtc};
 
 /// Whether [`load_or_compile`] found the kernels in the cache.
@@ -48,15 +53,29 @@ pub fn cache_dir() -> Option<PathBuf> {
     set("HOME").map(|h| h.join(".cache").join("braid").join("cuda"))
 }
 
-/// The cache key of the kernels compiled with `options` for `arch` by NVRTC `version`.
+/// The cache key of the kernels compiled with `options` for `arch` by NVRTC `version` (its major part).
 pub fn cache_key(options: &[String], arch: u32, version: (i32, i32)) -> [u8; 32] {
+    let (name, source, headers) = nvrtc::program();
+    program_key(name, source, &headers, options, arch, version)
+}
+
+/// The cache key of the program `name` (`source` and the `headers` it includes) compiled with
+/// `options` for `arch` by NVRTC `version` (its major part: see the module docs).
+pub fn program_key(
+    name: &str,
+    source: &str,
+    headers: &[(&str, &str)],
+    options: &[String],
+    arch: u32,
+    version: (i32, i32),
+) -> [u8; 32] {
     let mut h = Sha256::new();
     let mut field = |bytes: &[u8]| {
         h.update((bytes.len() as u64).to_le_bytes());
         h.update(bytes);
     };
-    field(b"braid-cuda reduce-copy kernels, NVRTC");
-    for (name, text) in crate::SOURCES {
+    field(b"braid-cuda kernels, NVRTC");
+    for (name, text) in headers.iter().chain([&(name, source)]) {
         field(name.as_bytes());
         field(text.as_bytes());
     }
@@ -65,7 +84,6 @@ pub fn cache_key(options: &[String], arch: u32, version: (i32, i32)) -> [u8; 32]
     }
     field(&arch.to_le_bytes());
     field(&version.0.to_le_bytes());
-    field(&version.1.to_le_bytes());
     h.finalize().into()
 }
 
@@ -160,11 +178,81 @@ pub fn load_or_compile(arch: u32) -> Result<(Vec<u8>, CacheOutcome), Error> {
 
 /// [`load_or_compile`] with the cache in `dir`.
 pub fn load_or_compile_in(dir: &Path, arch: u32) -> Result<(Vec<u8>, CacheOutcome), Error> {
+    let (name, source, headers) = nvrtc::program();
+    load_or_compile_program_in(dir, name, source, &headers, arch)
+}
+
+/// The program `name` (`source` including `headers`) compiled for `sm_<arch>`, from the cache in
+/// [`cache_dir`] or compiled and stored there (uncached when there is no cache directory).
+pub fn load_or_compile_program(
+    name: &str,
+    source: &str,
+    headers: &[(&str, &str)],
+    arch: u32,
+) -> Result<(Vec<u8>, CacheOutcome), Error> {
+    match cache_dir() {
+        Some(dir) => load_or_compile_program_in(&dir, name, source, headers, arch),
+        None => {
+            let nvrtc = Nvrtc::get()?;
+            let (kind, options) = nvrtc::options(nvrtc, arch)?;
+            let (image, _) = nvrtc.compile_program(name, source, headers, &options, kind)?;
+            Ok((image, CacheOutcome::Miss))
+        }
+    }
+}
+
+/// [`load_or_compile_program`] with the cache in `dir`.
+pub fn load_or_compile_program_in(
+    dir: &Path,
+    name: &str,
+    source: &str,
+    headers: &[(&str, &str)],
+    arch: u32,
+) -> Result<(Vec<u8>, CacheOutcome), Error> {
+    cached(dir, name, source, headers, arch, true)
+}
+
+/// The program `name` loaded on `gpu`: from the cache when the driver loads the cached image, else
+/// compiled for the device's architecture (and the cache entry replaced).
+pub fn load_module(
+    gpu: &Gpu,
+    name: &str,
+    source: &str,
+    headers: &[(&str, &str)],
+) -> Result<Module, Error> {
+    let arch = gpu.arch()?;
+    let (image, outcome) = load_or_compile_program(name, source, headers, arch)?;
+    match Module::load(gpu, &image) {
+        Err(e) if outcome == CacheOutcome::Hit => {
+            tracing::warn!(
+                "the cached image of {name} for sm_{arch} does not load on this driver ({e}): \
+                 compiling it again"
+            );
+            let image = match cache_dir() {
+                Some(dir) => cached(&dir, name, source, headers, arch, false)?.0,
+                None => load_or_compile_program(name, source, headers, arch)?.0,
+            };
+            Module::load(gpu, &image)
+        }
+        loaded => loaded,
+    }
+}
+
+/// The cached image (when `read` and an entry is valid), else a fresh compile stored in `dir`.
+fn cached(
+    dir: &Path,
+    name: &str,
+    source: &str,
+    headers: &[(&str, &str)],
+    arch: u32,
+    read: bool,
+) -> Result<(Vec<u8>, CacheOutcome), Error> {
     let nvrtc = Nvrtc::get()?;
-    let (_, options) = nvrtc::options(nvrtc, arch)?;
-    let key = cache_key(&options, arch, nvrtc.version()?);
+    let (kind, options) = nvrtc::options(nvrtc, arch)?;
+    let key = program_key(name, source, headers, &options, arch, nvrtc.version()?);
     let path = entry_path(dir, &key);
     match std::fs::read(&path) {
+        _ if !read => {}
         Ok(bytes) => match decode(&key, &bytes) {
             Ok((_, image)) => return Ok((image, CacheOutcome::Hit)),
             Err(why) => tracing::warn!(
@@ -179,23 +267,24 @@ pub fn load_or_compile_in(dir: &Path, arch: u32) -> Result<(Vec<u8>, CacheOutcom
         ),
     }
     let started = std::time::Instant::now();
-    let compiled = nvrtc::compile_with(nvrtc, arch)?;
+    let (binary, log) = nvrtc.compile_program(name, source, headers, &options, kind)?;
+    let version = nvrtc.version()?;
     tracing::debug!(
-        "compiled the CUDA kernels for sm_{arch} with NVRTC {}.{} in {:.1} s{}{}",
-        compiled.version.0,
-        compiled.version.1,
+        "compiled {name} for sm_{arch} with NVRTC {}.{} in {:.1} s{}{}",
+        version.0,
+        version.1,
         started.elapsed().as_secs_f64(),
-        if compiled.log.is_empty() { "" } else { ":\n" },
-        compiled.log
+        if log.is_empty() { "" } else { ":\n" },
+        log
     );
-    if let Err(e) = write_atomically(&path, &encode(&key, compiled.kind, &compiled.binary)) {
+    if let Err(e) = write_atomically(&path, &encode(&key, kind, &binary)) {
         tracing::warn!(
             "the compiled CUDA kernels could not be cached in {} ({e}): they will be compiled again \
              next time (set BRAID_CUDA_CACHE to a writable directory)",
             dir.display()
         );
     }
-    Ok((compiled.binary, CacheOutcome::Miss))
+    Ok((binary, CacheOutcome::Miss))
 }
 
 #[cfg(test)]
@@ -221,12 +310,16 @@ mod tests {
     }
 
     #[test]
-    fn keys_depend_on_options_arch_and_version() {
+    fn keys_depend_on_options_arch_and_major_version() {
         let o = vec!["--gpu-architecture=sm_80".to_string()];
         let k = cache_key(&o, 80, (13, 0));
         assert_eq!(k, cache_key(&o, 80, (13, 0)));
         assert_ne!(k, cache_key(&o, 90, (13, 0)));
-        assert_ne!(k, cache_key(&o, 80, (13, 1)));
+        assert_ne!(k, cache_key(&o, 80, (12, 0)));
         assert_ne!(k, cache_key(&[], 80, (13, 0)));
+        // Minor-version compatibility: a CUBIN of NVRTC 13.5 is offered to a 13.0 driver.
+        assert_eq!(k, cache_key(&o, 80, (13, 5)));
+        let p = |src: &str| program_key("a.cu", src, &[("h.cuh", "x")], &o, 80, (13, 0));
+        assert_ne!(p("one"), p("two"));
     }
 }

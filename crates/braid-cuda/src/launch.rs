@@ -7,7 +7,7 @@ use std::ffi::c_void;
 use braid_core::{DType, Error, ReduceOp};
 
 use crate::driver::{Gpu, Module, Stream};
-use crate::{entries, kernel_name, load_or_compile, Shape};
+use crate::{entries, kernel_name, Shape};
 
 /// Threads per block of every reduce-copy launch (the kernels' `__launch_bounds__`).
 pub const THREADS: u32 = 512;
@@ -49,9 +49,8 @@ pub struct ReduceCopyKernels {
 impl ReduceCopyKernels {
     /// Compiles (or loads from the cache) and loads the catalogue on `gpu`.
     pub fn load(gpu: &Gpu) -> Result<ReduceCopyKernels, Error> {
-        let arch = gpu.arch()?;
-        let (image, _) = load_or_compile(arch)?;
-        let module = Module::load(gpu, &image)?;
+        let (name, source, headers) = crate::nvrtc::program();
+        let module = crate::load_module(gpu, name, source, &headers)?;
         let mut functions = HashMap::new();
         for (shape, dtype, op) in entries() {
             let name = kernel_name(shape, dtype, op)?;

@@ -10,6 +10,7 @@
 //!   (with [`Priority`]), [`Event`], [`Module`].
 //! - [`ReduceCopyKernels`]: the catalogue loaded on a device and launched by shape, dtype and op.
 //! - [`CudaEngine`]: braid-exec's `Engine` on a CUDA stream, for collectives on device memory.
+//! - [`resident`]: collectives that run on the GPU, one launch each ([`ResidentAllReduce`]).
 //! - [`CudaMemory`]: shareable device memory (`cuMemCreate` and POSIX file descriptors, or legacy IPC
 //!   handles where the device has no VMM; [`IpcMode`], `BRAID_CUDA_IPC`) for the rings of
 //!   braid-transport's `ipc` transport.
@@ -31,16 +32,21 @@ mod engine;
 mod ipc_memory;
 mod launch;
 pub mod nvrtc;
+pub mod resident;
 
-pub use cache::{cache_dir, load_or_compile, load_or_compile_in, CacheOutcome};
+pub use cache::{
+    cache_dir, load_module, load_or_compile, load_or_compile_in, load_or_compile_program,
+    load_or_compile_program_in, CacheOutcome,
+};
 pub use driver::{
-    choose_device, driver_available, pointer_kind, DeviceBuffer, Event, Gpu, HostRegistration,
-    Module, PinnedBuffer, PointerKind, Priority, RestoreContext, Stream,
+    choose_device, driver_available, pointer_kind, DeviceBuffer, Event, Gpu, Graph,
+    HostRegistration, Module, PinnedBuffer, PointerKind, Priority, RestoreContext, Stream,
 };
 pub use engine::CudaEngine;
 pub use ipc_memory::{CudaMemory, IpcMode, IPC_VARIABLE, LEGACY_GRANULARITY};
 pub use launch::{blocks_for, RcArgs, ReduceCopyKernels, THREADS};
 pub use nvrtc::{compile, BinaryKind, Compiled, Nvrtc};
+pub use resident::{ResidentAllReduce, WindowLayout};
 
 use braid_core::{DType, Error, ReduceOp};
 

@@ -33,6 +33,9 @@ pub const CUDA_ERROR_OUT_OF_MEMORY: CuResult = 2;
 /// `CUDA_ERROR_NOT_READY`: a stream or event query whose work has not finished.
 pub const CUDA_ERROR_NOT_READY: CuResult = 600;
 
+/// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`: a capture that other threads' unsafe calls do not end.
+pub const STREAM_CAPTURE_MODE_THREAD_LOCAL: c_int = 1;
+
 /// `CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT`.
 pub const ATTR_MULTIPROCESSOR_COUNT: c_int = 16;
 /// `CU_DEVICE_ATTRIBUTE_PCI_BUS_ID`.
@@ -211,6 +214,10 @@ pub const CONSTANTS: &[(&str, i64)] = &[
     ("CUDA_SUCCESS", CUDA_SUCCESS as i64),
     ("CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE as i64),
     ("CUDA_ERROR_OUT_OF_MEMORY", CUDA_ERROR_OUT_OF_MEMORY as i64),
+    (
+        "CU_STREAM_CAPTURE_MODE_THREAD_LOCAL",
+        STREAM_CAPTURE_MODE_THREAD_LOCAL as i64,
+    ),
     ("CUDA_ERROR_NOT_READY", CUDA_ERROR_NOT_READY as i64),
     (
         "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT",
@@ -444,6 +451,19 @@ driver_api! {
     ipc_close_mem_handle = ["cuIpcCloseMemHandle"] fn(CuDevicePtr) as "CUdeviceptr";
     /// `cuMemsetD8`.
     memset_d8 = ["cuMemsetD8_v2"] fn(CuDevicePtr, u8, usize) as "CUdeviceptr, unsigned char, size_t";
+    /// `cuStreamBeginCapture` (`_v2` takes the capture mode).
+    stream_begin_capture = ["cuStreamBeginCapture_v2"] fn(Handle, c_int) as "CUstream, CUstreamCaptureMode";
+    /// `cuStreamEndCapture`.
+    stream_end_capture = ["cuStreamEndCapture"] fn(Handle, *mut Handle) as "CUstream, CUgraph*";
+    /// `cuGraphInstantiateWithFlags`.
+    graph_instantiate = ["cuGraphInstantiateWithFlags"] fn(*mut Handle, Handle, u64)
+        as "CUgraphExec*, CUgraph, unsigned long long";
+    /// `cuGraphLaunch`.
+    graph_launch = ["cuGraphLaunch"] fn(Handle, Handle) as "CUgraphExec, CUstream";
+    /// `cuGraphExecDestroy`.
+    graph_exec_destroy = ["cuGraphExecDestroy"] fn(Handle) as "CUgraphExec";
+    /// `cuGraphDestroy`.
+    graph_destroy = ["cuGraphDestroy"] fn(Handle) as "CUgraph";
     /// `cuLaunchKernel`.
     launch_kernel = ["cuLaunchKernel"] fn(Handle, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint,
         Handle, *mut *mut c_void, *mut *mut c_void)

@@ -17,7 +17,7 @@ pub use device::{choose_device, Gpu, RestoreContext, DEVICE_VARIABLE};
 pub use memory::{pointer_kind, DeviceBuffer, HostRegistration, PinnedBuffer, PointerKind};
 pub(crate) use module::launch_raw;
 pub use module::{Function, Module};
-pub use stream::{Event, Priority, Stream};
+pub use stream::{Event, Graph, Priority, Stream};
 
 use braid_core::Error;
 use libloading::Library;

@@ -295,3 +295,74 @@ pub(crate) fn poll_until(
         }
     }
 }
+
+/// A CUDA graph captured from a stream ([`Stream::begin_capture`], [`Stream::end_capture`]),
+/// instantiated and ready to launch; destroyed on drop.
+pub struct Graph {
+    gpu: Gpu,
+    graph: Handle,
+    exec: Handle,
+}
+
+// SAFETY: graph handles may be used from any thread that binds the context, which every method does.
+unsafe impl Send for Graph {}
+
+impl Stream {
+    /// Starts capturing the work queued on this stream (thread-local capture mode) into a graph.
+    pub fn begin_capture(&self) -> Result<(), Error> {
+        self.gpu.bind()?;
+        let api = self.gpu.api();
+        // SAFETY: a live stream of the current context.
+        let r =
+            unsafe { (api.stream_begin_capture)(self.raw, api::STREAM_CAPTURE_MODE_THREAD_LOCAL) };
+        check(api, r, || "cuStreamBeginCapture".into())
+    }
+
+    /// Ends the capture begun by [`begin_capture`](Self::begin_capture) and instantiates the graph.
+    pub fn end_capture(&self) -> Result<Graph, Error> {
+        self.gpu.bind()?;
+        let api = self.gpu.api();
+        let mut graph: Handle = std::ptr::null_mut();
+        // SAFETY: a live stream being captured; valid out-pointer.
+        let r = unsafe { (api.stream_end_capture)(self.raw, &mut graph) };
+        check(api, r, || "cuStreamEndCapture".into())?;
+        let mut exec: Handle = std::ptr::null_mut();
+        // SAFETY: the graph just captured; valid out-pointer.
+        let r = unsafe { (api.graph_instantiate)(&mut exec, graph, 0) };
+        if let Err(e) = check(api, r, || "cuGraphInstantiateWithFlags".into()) {
+            // SAFETY: the graph was created above and is destroyed once, here.
+            unsafe { (api.graph_destroy)(graph) };
+            return Err(e);
+        }
+        Ok(Graph {
+            gpu: self.gpu.clone(),
+            graph,
+            exec,
+        })
+    }
+}
+
+impl Graph {
+    /// Queues one replay of the graph on `stream`.
+    pub fn launch(&self, stream: &Stream) -> Result<(), Error> {
+        self.gpu.bind()?;
+        let api = self.gpu.api();
+        // SAFETY: a live instantiated graph and a live stream of the same context.
+        let r = unsafe { (api.graph_launch)(self.exec, stream.raw) };
+        check(api, r, || "cuGraphLaunch".into())
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        if self.gpu.bind().is_err() {
+            return;
+        }
+        let api = self.gpu.api();
+        // SAFETY: both handles were created by `end_capture` and are destroyed once, here.
+        unsafe {
+            (api.graph_exec_destroy)(self.exec);
+            (api.graph_destroy)(self.graph);
+        }
+    }
+}

@@ -5,7 +5,7 @@
 //
 //   collective_driver DIR KEY=VALUE...
 //
-// Keys: ranks=threads|procs, world, blocks, threads, dtype (f32 f16 bf16 f64 i32 i64 u8), op (sum prod
+// Keys: ranks=threads|procs, world (1-4 or 8), blocks, threads, dtype (f32 f16 bf16 f64 i32 i64 u8), op (sum prod
 // max min avg), count, mode (0 one-shot, 1 two-shot, 2 symmetric), stage (bytes of a staging half),
 // iters (collectives run in a row, each over the same inputs), epoch (the barrier epoch the windows
 // start from, to cross the 2^32 wrap), timeout_ms, missing (a rank that never runs: killed at start in
@@ -51,29 +51,42 @@ __global__ void all_ranks(const braid::ArArgs* args, Kernel k) {
   k(a);
 }
 
-template <class T, int OP>
+template <class T, int OP, int W>
 __global__ void one_rank(braid::ArArgs a) {
-  braid::AllReduce<T, OP>::run(a);
+  braid::AllReduce<T, OP, W>::run(a);
+}
+
+// The world sizes the driver is built for (each is a kernel of its own, as on a GPU).
+template <class T, int OP>
+Kernel for_world(unsigned world) {
+  switch (world) {
+    case 1: return one_rank<T, OP, 1>;
+    case 2: return one_rank<T, OP, 2>;
+    case 3: return one_rank<T, OP, 3>;
+    case 4: return one_rank<T, OP, 4>;
+    case 8: return one_rank<T, OP, 8>;
+    default: return nullptr;
+  }
 }
 
 template <class T>
-Kernel for_op(const std::string& op) {
-  if (op == "sum") return one_rank<T, braid::OP_SUM>;
-  if (op == "prod") return one_rank<T, braid::OP_PROD>;
-  if (op == "max") return one_rank<T, braid::OP_MAX>;
-  if (op == "min") return one_rank<T, braid::OP_MIN>;
-  if (op == "avg") return one_rank<T, braid::OP_AVG>;
+Kernel for_op(const std::string& op, unsigned world) {
+  if (op == "sum") return for_world<T, braid::OP_SUM>(world);
+  if (op == "prod") return for_world<T, braid::OP_PROD>(world);
+  if (op == "max") return for_world<T, braid::OP_MAX>(world);
+  if (op == "min") return for_world<T, braid::OP_MIN>(world);
+  if (op == "avg") return for_world<T, braid::OP_AVG>(world);
   return nullptr;
 }
 
-Kernel kernel_for(const std::string& dt, const std::string& op, size_t* size) {
-  if (dt == "f32") return *size = 4, for_op<float>(op);
-  if (dt == "f16") return *size = 2, for_op<braid::half_t>(op);
-  if (dt == "bf16") return *size = 2, for_op<braid::bfloat16_t>(op);
-  if (dt == "f64") return *size = 8, for_op<double>(op);
-  if (dt == "i32") return *size = 4, for_op<int>(op);
-  if (dt == "i64") return *size = 8, for_op<long long>(op);
-  if (dt == "u8") return *size = 1, for_op<unsigned char>(op);
+Kernel kernel_for(const std::string& dt, const std::string& op, unsigned world, size_t* size) {
+  if (dt == "f32") return *size = 4, for_op<float>(op, world);
+  if (dt == "f16") return *size = 2, for_op<braid::half_t>(op, world);
+  if (dt == "bf16") return *size = 2, for_op<braid::bfloat16_t>(op, world);
+  if (dt == "f64") return *size = 8, for_op<double>(op, world);
+  if (dt == "i32") return *size = 4, for_op<int>(op, world);
+  if (dt == "i64") return *size = 8, for_op<long long>(op, world);
+  if (dt == "u8") return *size = 1, for_op<unsigned char>(op, world);
   return nullptr;
 }
 
@@ -122,8 +135,8 @@ int main(int argc, char** argv) {
   const long long missing = opt("missing", -1), mismatch = opt("mismatch", -1), abort_ms = opt("abort_ms", -1);
   const bool inplace = opt("inplace", 0) != 0;
   size_t size = 0;
-  Kernel kernel = kernel_for(opt_s("dtype", "f32"), opt_s("op", "sum"), &size);
-  if (!kernel) simt::fail("unknown dtype or op");
+  Kernel kernel = kernel_for(opt_s("dtype", "f32"), opt_s("op", "sum"), world, &size);
+  if (!kernel) simt::fail("unknown dtype or op, or a world size the driver is not built for (1-4, 8)");
   if (world < 1 || world > braid::AR_MAX_RANKS || blocks < 1 || blocks > braid::AR_MAX_BLOCKS)
     simt::fail("world or blocks out of range");
 
