@@ -75,7 +75,7 @@ enum {
 enum { AR_STAGED_ONE_SHOT = 0, AR_STAGED_TWO_SHOT = 1, AR_SYMMETRIC = 2 };
 
 // Failure codes in the status words.
-enum { AR_OK = 0, AR_TIMEOUT = 1, AR_ABORTED = 2, AR_MISMATCH = 3, AR_PEER_FAILED = 4 };
+enum { AR_OK = 0, AR_TIMEOUT = 1, AR_ABORTED = 2, AR_MISMATCH = 3, AR_PEER_FAILED = 4, AR_BAD_LAUNCH = 5 };
 
 // The kernel's argument, passed by value; crates/braid-cuda/src/resident.rs lays out `ArArgs` the same.
 struct ArArgs {
@@ -336,10 +336,22 @@ struct AllReduce {
     const unsigned int b = blockIdx.x, nb = gridDim.x;
     const unsigned long long t = threadIdx.x, nt = blockDim.x;
     const unsigned int R = a.rank;
+    // A launch the barriers cannot serve (fewer threads than ranks, another world size) or a staging
+    // half smaller than an element fails loudly rather than computing nothing.
+    if (blockDim.x < (unsigned int)W || a.world != (unsigned int)W || R >= (unsigned int)W ||
+        (a.mode != AR_SYMMETRIC && a.stage_bytes < 16)) {
+      unsigned int* status = (unsigned int*)a.status;
+      if (t == 0 && status && atomicCAS(status, 0u, (unsigned int)AR_BAD_LAUNCH) == 0u) {
+        status[1] = R;
+        status[2] = b;
+      }
+      return;
+    }
     ArState* st = ar_state(a.window[R], b);
     // After a failure the ranks' epochs disagree: a later launch returns at once, signalling nothing
     // (a barrier whose flag happens to be reached would not notice the failure otherwise).
     if (a.status && ld_relaxed_sys((const unsigned int*)a.status)) return;
+
     // Every thread reads the state before thread 0 may change it below.
     unsigned int epoch = st->epoch, iter = st->iter;
     if (t == 0) st_relaxed_sys(&st->fail, 0u);

@@ -11,9 +11,11 @@
 // - f16 and bf16 accumulate in f32 and are rounded once (round to nearest even);
 // - avg sums, then divides once by the number of contributions in the accumulator type
 //   (truncating integer division, IEEE division for floats).
-// NaNs come out as braid-core's do, bit for bit: conversions keep a NaN's sign and payload (the GPU's
-// conversion instructions would return the canonical NaN, so NaNs take the integer path there), and
-// float arithmetic follows x86's rules (see `nan_of`), which the GPU's own arithmetic does not.
+// NaNs come out as braid-core's do, bit for bit. A NaN that arithmetic makes (sum, prod, avg) and a
+// NaN widened from f16 or bf16 to f32 is the canonical NaN: 0x7fffffff in f32 (0x7fff once narrowed
+// to f16 or bf16) and 0x7fffffffffffffff in f64, which is what a GPU's add, mul and conversions return
+// (keeping payloads there would cost registers the kernels do not have). Max and min keep an f32 or
+// f64 NaN's sign and payload.
 #ifndef BRAID_REDUCE_CUH
 #define BRAID_REDUCE_CUH
 
@@ -33,6 +35,10 @@ struct half_t {
 struct bfloat16_t {
   unsigned short bits;
 };
+
+// The NaN float arithmetic returns (see above).
+enum : unsigned int { CANONICAL_NAN_F32 = 0x7fffffffu };
+BRAID_HD double canonical_nan_f64();
 
 // Op codes: braid-core's `ReduceOp` discriminants.
 enum { OP_SUM = 0, OP_PROD = 1, OP_MAX = 2, OP_MIN = 3, OP_AVG = 4 };
@@ -57,23 +63,29 @@ BRAID_HD unsigned int f32_to_bits(float f) {
 #endif
 }
 
-// f16 -> f32 (exact). Host: integer code; a NaN keeps its payload and is quieted.
+BRAID_HD double canonical_nan_f64() {
+#ifdef __CUDA_ARCH__
+  return __longlong_as_double(0x7fffffffffffffffll);
+#else
+  const unsigned long long u = 0x7fffffffffffffffull;
+  double d;
+  memcpy(&d, &u, 8);
+  return d;
+#endif
+}
+
+// f16 -> f32 (exact); a NaN becomes the canonical NaN (what the GPU's conversion instruction returns).
 BRAID_HD float f16_to_f32(half_t h) {
 #ifdef __CUDA_ARCH__
-  // The conversion instruction returns the canonical NaN: a NaN takes the integer path, which keeps
-  // its sign and payload.
-  if ((h.bits & 0x7c00u) != 0x7c00u || (h.bits & 0x3ffu) == 0) {
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));
-    return f;
-  }
-  return bits_to_f32((((unsigned int)h.bits & 0x8000u) << 16) | 0x7fc00000u | (((unsigned int)h.bits & 0x3ffu) << 13));
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));
+  return f;
 #else
   unsigned int sign = ((unsigned int)h.bits & 0x8000u) << 16;
   unsigned int exp = ((unsigned int)h.bits >> 10) & 0x1fu;
   unsigned int man = (unsigned int)h.bits & 0x3ffu;
   if (exp == 0x1fu) {
-    return bits_to_f32(man == 0 ? (sign | 0x7f800000u) : (sign | 0x7fc00000u | (man << 13)));
+    return bits_to_f32(man == 0 ? (sign | 0x7f800000u) : CANONICAL_NAN_F32);
   }
   if (exp == 0) {
     // Zero or subnormal: man * 2^-24, exact in f32.
@@ -84,23 +96,18 @@ BRAID_HD float f16_to_f32(half_t h) {
 #endif
 }
 
-// f32 -> f16, round to nearest even; overflow to infinity; a NaN stays a (quiet) NaN.
+// f32 -> f16, round to nearest even; overflow to infinity; a NaN becomes the canonical 0x7fff.
 BRAID_HD half_t f32_to_f16(float f) {
   half_t h;
+#ifdef __CUDA_ARCH__
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+#else
   unsigned int x = f32_to_bits(f);
   unsigned int sign = (x >> 16) & 0x8000u;
   unsigned int exp = (x >> 23) & 0xffu;
   unsigned int man = x & 0x7fffffu;
-  if (exp == 0xffu && man != 0) {
-    // A NaN keeps its sign and the top of its payload (the instruction would return the canonical NaN).
-    h.bits = (unsigned short)(sign | 0x7c00u | 0x200u | (man >> 13));
-    return h;
-  }
-#ifdef __CUDA_ARCH__
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
-#else
   if (exp == 0xffu) {
-    h.bits = (unsigned short)(sign | 0x7c00u);
+    h.bits = (unsigned short)(man ? 0x7fffu : (sign | 0x7c00u));
     return h;
   }
   int e = (int)exp - 127 + 15;
@@ -128,25 +135,23 @@ BRAID_HD half_t f32_to_f16(float f) {
   return h;
 }
 
-// bf16 -> f32 (exact); a NaN is quieted. The same integer code on host and device.
+// bf16 -> f32 (exact); a NaN becomes the canonical NaN. The same integer code on host and device.
 BRAID_HD float bf16_to_f32(bfloat16_t b) {
   unsigned int u = (unsigned int)b.bits;
-  if ((u & 0x7fffu) > 0x7f80u) u |= 0x40u;
-  return bits_to_f32(u << 16);
+  return bits_to_f32((u & 0x7fffu) > 0x7f80u ? CANONICAL_NAN_F32 : u << 16);
 }
 
-// f32 -> bf16, round to nearest even; a NaN stays a (quiet) NaN.
+// f32 -> bf16, round to nearest even; a NaN becomes the canonical 0x7fff.
 BRAID_HD bfloat16_t f32_to_bf16(float f) {
   bfloat16_t b;
-  unsigned int x = f32_to_bits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) {
-    // A NaN keeps its sign and the top of its payload (the instruction would return the canonical NaN).
-    b.bits = (unsigned short)((x >> 16) | 0x40u);
-    return b;
-  }
 #ifdef __CUDA_ARCH__
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b.bits) : "f"(f));
 #else
+  unsigned int x = f32_to_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) {
+    b.bits = 0x7fffu;
+    return b;
+  }
   unsigned int r = x >> 16;
   if ((x & 0x8000u) && (x & 0x17fffu)) r += 1;
   b.bits = (unsigned short)r;
@@ -161,29 +166,24 @@ BRAID_HD int add(int a, int b) { return (int)((unsigned int)a + (unsigned int)b)
 BRAID_HD unsigned int add(unsigned int a, unsigned int b) { return a + b; }
 BRAID_HD long long add(long long a, long long b) { return (long long)((unsigned long long)a + (unsigned long long)b); }
 BRAID_HD unsigned long long add(unsigned long long a, unsigned long long b) { return a + b; }
-// Float arithmetic with x86's NaN rules, which braid-core's CPU reference follows: a NaN result is the
-// first NaN operand, quieted, or (an invalid operation such as inf - inf) the default NaN with its sign
-// bit set. A GPU returns its canonical NaN (0x7fffffff) instead, so there a NaN result is rebuilt (one
-// compare per element on the common path).
+// The canonical NaN for a NaN result of + and *: a GPU returns it itself; a CPU returns an operand's NaN
+// or one of its own, so the host code (the tests' reference path) replaces it.
+BRAID_HD float canon(float r) {
 #ifdef __CUDA_ARCH__
-BRAID_HD float nan_of(float r, float a, float b) {
-  if (r == r) return r;
-  if (a != a) return __int_as_float(__float_as_int(a) | 0x00400000);
-  if (b != b) return __int_as_float(__float_as_int(b) | 0x00400000);
-  return __int_as_float((int)0xffc00000u);
-}
-BRAID_HD double nan_of(double r, double a, double b) {
-  if (r == r) return r;
-  if (a != a) return __longlong_as_double(__double_as_longlong(a) | 0x0008000000000000ll);
-  if (b != b) return __longlong_as_double(__double_as_longlong(b) | 0x0008000000000000ll);
-  return __longlong_as_double((long long)0xfff8000000000000ull);
-}
+  return r;
 #else
-BRAID_HD float nan_of(float r, float, float) { return r; }
-BRAID_HD double nan_of(double r, double, double) { return r; }
+  return r == r ? r : bits_to_f32(CANONICAL_NAN_F32);
 #endif
-BRAID_HD float add(float a, float b) { return nan_of(a + b, a, b); }
-BRAID_HD double add(double a, double b) { return nan_of(a + b, a, b); }
+}
+BRAID_HD double canon(double r) {
+#ifdef __CUDA_ARCH__
+  return r;
+#else
+  return r == r ? r : canonical_nan_f64();
+#endif
+}
+BRAID_HD float add(float a, float b) { return canon(a + b); }
+BRAID_HD double add(double a, double b) { return canon(a + b); }
 
 BRAID_HD signed char mul(signed char a, signed char b) { return (signed char)(unsigned char)((unsigned int)(unsigned char)a * (unsigned int)(unsigned char)b); }
 BRAID_HD unsigned char mul(unsigned char a, unsigned char b) { return (unsigned char)((unsigned int)a * (unsigned int)b); }
@@ -191,8 +191,8 @@ BRAID_HD int mul(int a, int b) { return (int)((unsigned int)a * (unsigned int)b)
 BRAID_HD unsigned int mul(unsigned int a, unsigned int b) { return a * b; }
 BRAID_HD long long mul(long long a, long long b) { return (long long)((unsigned long long)a * (unsigned long long)b); }
 BRAID_HD unsigned long long mul(unsigned long long a, unsigned long long b) { return a * b; }
-BRAID_HD float mul(float a, float b) { return nan_of(a * b, a, b); }
-BRAID_HD double mul(double a, double b) { return nan_of(a * b, a, b); }
+BRAID_HD float mul(float a, float b) { return canon(a * b); }
+BRAID_HD double mul(double a, double b) { return canon(a * b); }
 
 // Division by the number of contributions (n >= 1), truncating for integers. Types of up to 32 bits
 // divide magnitudes in 32 bits (inline on a GPU; 64-bit division is a called routine there).
@@ -207,8 +207,16 @@ BRAID_HD int div_n(int a, unsigned int n) { return sdiv32(a, n); }
 BRAID_HD unsigned int div_n(unsigned int a, unsigned int n) { return a / n; }
 BRAID_HD long long div_n(long long a, unsigned int n) { return a / (long long)n; }
 BRAID_HD unsigned long long div_n(unsigned long long a, unsigned int n) { return a / (unsigned long long)n; }
-BRAID_HD float div_n(float a, unsigned int n) { return nan_of(a / (float)n, a, a); }
-BRAID_HD double div_n(double a, unsigned int n) { return nan_of(a / (double)n, a, a); }
+// A NaN quotient is the canonical NaN, as a GPU's add and mul make it (its division is a routine
+// whose NaN results are not promised to be canonical).
+BRAID_HD float div_n(float a, unsigned int n) {
+  float q = a / (float)n;
+  return q == q ? q : bits_to_f32(CANONICAL_NAN_F32);
+}
+BRAID_HD double div_n(double a, unsigned int n) {
+  double q = a / (double)n;
+  return q == q ? q : canonical_nan_f64();
+}
 
 // `a op b`, with `a` the running partial (avg combines as sum).
 template <int OP, class A>

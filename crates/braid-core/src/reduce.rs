@@ -10,6 +10,12 @@
 //! are rounded once, when the result is finalised. Integer arithmetic wraps. `avg` sums and then divides by
 //! the number of contributions in the accumulator type (integer division for integer types).
 //!
+//! NaNs: a NaN that a sum, product or average makes, and a NaN widened from f16 or bf16, is the canonical
+//! NaN ([`CANONICAL_NAN_F32`], `0x7fff` once rounded to f16 or bf16, and [`CANONICAL_NAN_F64`]), whatever
+//! NaN went in: that is what a GPU's arithmetic and conversions return, whereas a CPU keeps one
+//! operand's payload, and which one depends on how the compiler ordered the operands. So every rank, CPU
+//! or GPU, gets the same bits. Max and min keep an f32 or f64 NaN's sign and payload.
+//!
 //! The pipeline of a chain of ranks is `to_acc` (first contribution), `combine` (each further one) and
 //! `finalize` (the last one, which also rounds and divides). [`reduce_ordered`] does the same for inputs
 //! that are all at hand. Both orders are fixed, so every rank that runs them gets bit-identical results.
@@ -64,14 +70,44 @@ macro_rules! int_acc {
 }
 int_acc!(i8, u8, i32, u32, i64, u64);
 
+/// The NaN an f32 sum, product or average comes out as: what a GPU's arithmetic returns.
+pub const CANONICAL_NAN_F32: u32 = 0x7fff_ffff;
+/// The NaN an f64 sum, product or average comes out as.
+pub const CANONICAL_NAN_F64: u64 = 0x7fff_ffff_ffff_ffff;
+
+/// `r`, or the canonical NaN when `r` is a NaN (a select the compiler vectorises).
+trait Canonical: Copy {
+    fn canonical(self) -> Self;
+}
+impl Canonical for f32 {
+    #[inline(always)]
+    fn canonical(self) -> f32 {
+        if self.is_nan() {
+            f32::from_bits(CANONICAL_NAN_F32)
+        } else {
+            self
+        }
+    }
+}
+impl Canonical for f64 {
+    #[inline(always)]
+    fn canonical(self) -> f64 {
+        if self.is_nan() {
+            f64::from_bits(CANONICAL_NAN_F64)
+        } else {
+            self
+        }
+    }
+}
+
 macro_rules! float_acc {
     ($($t:ty),*) => {$(
         impl Acc for $t {
-            #[inline(always)] fn add(self, o: Self) -> Self { self + o }
-            #[inline(always)] fn mul(self, o: Self) -> Self { self * o }
+            #[inline(always)] fn add(self, o: Self) -> Self { (self + o).canonical() }
+            #[inline(always)] fn mul(self, o: Self) -> Self { (self * o).canonical() }
             #[inline(always)] fn min(self, o: Self) -> Self { if o < self { o } else { self } }
             #[inline(always)] fn max(self, o: Self) -> Self { if o > self { o } else { self } }
-            #[inline(always)] fn div_n(self, n: usize) -> Self { self / n as $t }
+            #[inline(always)] fn div_n(self, n: usize) -> Self { (self / n as $t).canonical() }
         }
         impl Elem for $t {
             type A = $t;
@@ -86,11 +122,15 @@ impl Elem for f16 {
     type A = f32;
     #[inline(always)]
     fn load(self) -> f32 {
-        self.to_f32()
+        self.to_f32().canonical()
     }
     #[inline(always)]
     fn store(a: f32) -> f16 {
-        f16::from_f32(a)
+        if a.is_nan() {
+            f16::from_bits(0x7fff)
+        } else {
+            f16::from_f32(a)
+        }
     }
 }
 
@@ -98,11 +138,15 @@ impl Elem for bf16 {
     type A = f32;
     #[inline(always)]
     fn load(self) -> f32 {
-        self.to_f32()
+        self.to_f32().canonical()
     }
     #[inline(always)]
     fn store(a: f32) -> bf16 {
-        bf16::from_f32(a)
+        if a.is_nan() {
+            bf16::from_bits(0x7fff)
+        } else {
+            bf16::from_f32(a)
+        }
     }
 }
 

@@ -180,7 +180,7 @@ fn rank_main(
             } else {
                 (staged_in.addr(), staged_out.addr())
             };
-            // SAFETY (both copies): the ranges lie in live device memory this rank owns (its staging
+            // SAFETY: both ranges lie in live device memory this rank owns (its staging
             // buffers, or its heap sized for two `max` buffers).
             unsafe {
                 stream.copy(send, input.as_ptr() as u64, bytes)?;

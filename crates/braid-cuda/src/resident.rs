@@ -340,6 +340,10 @@ impl ResidentAllReduce {
                 seq,
                 detail: "its count, dtype, op, mode or buffers differ from this rank's".into(),
             },
+            5 => Error::Internal(format!(
+                "device all-reduce on rank {rank}: the kernel refused its launch (fewer threads than \
+                 ranks, another world size or a staging half under 16 bytes; block {block})"
+            )),
             _ => Error::PeerFailed {
                 rank,
                 peer,

@@ -164,3 +164,54 @@ fn the_driver_check_says_whether_there_is_a_driver() {
         }
     }
 }
+
+#[test]
+fn the_device_resident_all_reduce_compiles_for_every_world_size_and_is_cached() {
+    use braid_core::{DType, ReduceOp};
+    use braid_cuda::resident::{kernel_headers, kernel_name, kernel_source, MAX_RANKS};
+    let Some(nvrtc) = nvrtc() else { return };
+    let dir = scratch("nvrtc-resident");
+    // One kernel per world size (each its own program), in the dtypes whose reductions differ most.
+    for world in 1..=MAX_RANKS {
+        let (dtype, op) = match world % 3 {
+            0 => (DType::F32, ReduceOp::Sum),
+            1 => (DType::BF16, ReduceOp::Avg),
+            _ => (DType::I64, ReduceOp::Max),
+        };
+        let name = kernel_name(dtype, op, world);
+        let source = kernel_source(dtype, op, world);
+        let arch = if world % 2 == 0 { 90 } else { 80 };
+        let started = std::time::Instant::now();
+        let (image, outcome) = braid_cuda::load_or_compile_program_in(
+            &dir,
+            &format!("{name}.cu"),
+            &source,
+            &kernel_headers(),
+            arch,
+        )
+        .unwrap_or_else(|e| panic!("{name} for sm_{arch}: {e}"));
+        assert_eq!(outcome, braid_cuda::CacheOutcome::Miss);
+        assert!(
+            !nvrtc.has_cubin() || image.starts_with(b"\x7fELF"),
+            "{name} for sm_{arch}: not an ELF image"
+        );
+        assert!(
+            contains(&image, format!("{name}\0").as_bytes()),
+            "{name} is not in its image"
+        );
+        println!(
+            "{name} for sm_{arch}: {} bytes in {:.1?}",
+            image.len(),
+            started.elapsed()
+        );
+        let (again, outcome) = braid_cuda::load_or_compile_program_in(
+            &dir,
+            &format!("{name}.cu"),
+            &source,
+            &kernel_headers(),
+            arch,
+        )
+        .unwrap();
+        assert_eq!((again, outcome), (image, braid_cuda::CacheOutcome::Hit));
+    }
+}

@@ -203,6 +203,7 @@ int main(int argc, char** argv) {
       });
   };
 
+  bool failed_child = false;
   if (procs) {
     std::vector<pid_t> kids;
     for (unsigned r = 0; r < world; r++) {
@@ -219,7 +220,15 @@ int main(int argc, char** argv) {
       kids.push_back(pid);
     }
     start_aborter();
-    for (pid_t k : kids) waitpid(k, nullptr, 0);
+    for (unsigned r = 0; r < world; r++) {
+      int st = 0;
+      if (waitpid(kids[r], &st, 0) < 0) simt::fail("waitpid failed");
+      // Every rank's process but the one killed on purpose must end normally.
+      if ((long long)r != missing && (!WIFEXITED(st) || WEXITSTATUS(st) != 0)) {
+        fprintf(stderr, "collective_driver: rank %u's process ended abnormally (status %#x)\n", r, st);
+        failed_child = true;
+      }
+    }
   } else {
     start_aborter();
     braid::ArArgs* dev_args = args.data();
@@ -244,5 +253,5 @@ int main(int argc, char** argv) {
     write_file(dir + "/out" + std::to_string(r) + ".bin", out[r], bytes);
     printf("rank %u status %u %u %u\n", r, status[8 * r], status[8 * r + 1], status[8 * r + 2]);
   }
-  return 0;
+  return failed_child ? 1 : 0;
 }
