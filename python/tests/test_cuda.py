@@ -50,6 +50,64 @@ for n in (1, 1000, 1 << 20, (1 << 22) + 3):
 comm.cuda_synchronize()
 issued, completed = comm._cuda_progress()
 assert issued == completed == 4 * 7, (issued, completed)
+
+
+def watchdog(seconds, what):
+    """Ends the process with a message if `what` has not finished within `seconds` (a hang fails the
+    test instead of holding the GPU)."""
+    import threading
+
+    done = threading.Event()
+
+    def bark():
+        if not done.wait(seconds):
+            print(f"rank {rank}: {what} did not finish within {seconds} s", flush=True)
+            os._exit(3)
+
+    threading.Thread(target=bark, daemon=True).start()
+    return done
+
+
+# The shape of a hang seen before: many collectives on the default stream with host waits and host
+# collectives in between, then one on a new stream followed at once by a kernel on that stream.
+done = watchdog(60, "collectives on the default stream, then on a new one")
+acc = torch.zeros(1024, device="cuda", dtype=torch.float64)
+for i in range(60):
+    x = torch.full((1024,), float(rank + i), device="cuda", dtype=torch.float32)
+    comm.all_reduce(x)
+    torch.cuda.synchronize()
+    seen = np.zeros(world, dtype=np.int64)
+    comm.all_gather(np.array([i], dtype=np.int64), out=seen)
+    assert (seen == i).all(), seen
+    assert bool((x == float(world * i + world * (world - 1) // 2)).all()), f"call {i}"
+s = torch.cuda.Stream()
+with torch.cuda.stream(s):
+    x = torch.full((1024,), float(rank), device="cuda", dtype=torch.float32)
+    comm.all_reduce(x, stream=s)
+    acc += x.to(torch.float64)
+s.synchronize()
+assert bool((acc == world * (world - 1) / 2).all()), acc[:4]
+comm.cuda_synchronize()
+done.set()
+
+# A collective captured in a CUDA graph and replayed: each replay is a new all-reduce (in place, so the
+# value multiplies by the world size each time; exact in float64).
+done = watchdog(60, "a captured all-reduce replayed 100 times")
+y = torch.ones(1 << 16, device="cuda", dtype=torch.float64)
+comm.all_reduce(y)  # warm-up outside the capture (loads the kernel)
+comm.cuda_synchronize()
+y.fill_(1.0)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    comm.all_reduce(y, stream=torch.cuda.current_stream())
+torch.cuda.synchronize()
+y.fill_(1.0)  # capture does not run the kernel: start again from ones
+torch.cuda.synchronize()
+for _ in range(100):
+    graph.replay()
+torch.cuda.synchronize()
+assert bool((y == float(world) ** 100).all()), f"graph replays: {y[:4]}"
+done.set()
 # Host memory still works next to the device.
 h = np.ones(8, dtype=np.float32)
 comm.all_reduce(h)

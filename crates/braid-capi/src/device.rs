@@ -2,8 +2,10 @@
 //!
 //! `braid_comm_use_cuda_device` (collective) gives a communicator a device: its GPU's kernels, a
 //! high-priority engine stream, and the `ipc` transport's rings in GPU memory between the ranks of the
-//! host. From then on the collectives take a CUDA stream (`cudaStream_t` as `void*`) with device
-//! pointers, and are ordered on it as NCCL's are: the call records an event on the caller's stream and
+//! host (`Communicator::cuda_device`). From then on the collectives take a CUDA stream (`cudaStream_t`
+//! as `void*`) with device pointers, and are ordered on it as NCCL's are. An all-reduce that runs
+//! device-resident is one kernel launched on the caller's stream (captured, under CUDA graph capture);
+//! the other collectives go through the worker: the call records an event on the caller's stream and
 //! queues the collective for the device communicator's worker, which starts it once that event has
 //! passed (the kernels that produced the input have finished); the call then makes the caller's stream
 //! wait (`cuStreamWaitValue32`, on the device) for a counter in mapped pinned memory that the worker
@@ -20,8 +22,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use braid_cuda::{Event, Gpu, PinnedBuffer, PointerKind, RestoreContext, Stream};
-use braid_rt::{Communicator, DeviceCommunicator, DeviceGate, DeviceOp, DeviceSignal, Error};
-use braid_transport::{DeviceMemory, Span};
+use braid_rt::{DeviceCommunicator, DeviceGate, DeviceOp, DeviceSignal, Error};
+use braid_transport::Span;
 use parking_lot::Mutex;
 
 use crate::collectives::Region;
@@ -42,16 +44,26 @@ struct Flag {
     word: PinnedBuffer,
     device_addr: u64,
     issued: AtomicU64,
-    completed: AtomicU64,
 }
 
 impl Flag {
-    fn set(&self, seq: u64) {
+    fn word(&self) -> &AtomicU32 {
         // SAFETY: the buffer holds at least 4 bytes, 4-aligned (page-aligned allocation), alive while
-        // `self` is; the device reads it, the host writes it only here, atomically.
-        let word = unsafe { &*(self.word.as_ptr() as *const AtomicU32) };
-        word.store(seq as u32, Ordering::Release);
-        self.completed.store(seq, Ordering::Release);
+        // `self` is; the host and the device access it only as a whole 32-bit word.
+        unsafe { &*(self.word.as_ptr() as *const AtomicU32) }
+    }
+
+    /// The worker's collective `seq` has ended.
+    fn set(&self, seq: u64) {
+        self.word().store(seq as u32, Ordering::Release);
+    }
+
+    /// How many of the `issued` collectives have ended: the word holds the low 32 bits of the last one
+    /// (set by the worker, or written by the device after a device-resident kernel), and fewer than
+    /// 2^31 are ever outstanding.
+    fn completed(&self, issued: u64) -> u64 {
+        let behind = (issued as u32).wrapping_sub(self.word().load(Ordering::Acquire));
+        issued.saturating_sub(u64::from(behind))
     }
 }
 
@@ -96,10 +108,8 @@ pub unsafe extern "C" fn braid_comm_cuda_progress(
     guard("braid_comm_cuda_progress", || {
         comm_of(comm)?;
         let (i, c) = device_of(comm).map_or((0, 0), |d| {
-            (
-                d.flag.issued.load(Ordering::Acquire),
-                d.flag.completed.load(Ordering::Acquire),
-            )
+            let issued = d.flag.issued.load(Ordering::Acquire);
+            (issued, d.flag.completed(issued))
         });
         // SAFETY: each is NULL or writable (the caller's contract).
         unsafe {
@@ -161,19 +171,16 @@ pub unsafe extern "C" fn braid_comm_use_cuda_device(
                 d.gpu.ordinal()
             )));
         }
-        let opened = open(&c, device);
-        let (gpu, made) = match opened {
-            Ok((gpu, memory, engine)) => (Some(gpu), Ok((memory, engine))),
-            Err(e) => (None, Err(e)),
-        };
-        let dev = c.device_from(made)?;
-        let gpu = gpu.ok_or_else(|| Error::Internal("a device without its GPU".into()))?;
+        let dev = c.cuda_device((device >= 0).then_some(device as usize))?;
+        let gpu = dev
+            .gpu()
+            .cloned()
+            .ok_or_else(|| Error::Internal("a CUDA device communicator without its GPU".into()))?;
         let word = PinnedBuffer::alloc_mapped(&gpu, 64)?;
         let flag = Arc::new(Flag {
             device_addr: word.device_addr()?,
             word,
             issued: AtomicU64::new(0),
-            completed: AtomicU64::new(0),
         });
         DEVICES.lock().get_or_insert_with(HashMap::new).insert(
             comm as usize,
@@ -186,21 +193,6 @@ pub unsafe extern "C" fn braid_comm_use_cuda_device(
         ANY_DEVICE.store(true, Ordering::Release);
         Ok(())
     })
-}
-
-type Opened = (Gpu, Arc<dyn DeviceMemory>, Box<dyn braid_exec::Engine>);
-
-fn open(c: &Communicator, device: c_int) -> Result<Opened, Error> {
-    let gpu = if device == -1 {
-        let local = c.topology().local_rank(c.rank()).unwrap_or(0);
-        Gpu::for_local_rank(local)?
-    } else {
-        Gpu::open(device as usize)?
-    };
-    let kernels = Arc::new(braid_cuda::ReduceCopyKernels::load(&gpu)?);
-    let engine = braid_cuda::CudaEngine::new(kernels, braid_cuda::Priority::High)?;
-    let memory = braid_cuda::CudaMemory::new(&gpu)?;
-    Ok((gpu, Arc::new(memory), Box::new(engine)))
 }
 
 /// A collective routed to a communicator's device: the device, the caller's stream, and the caller's
@@ -224,9 +216,39 @@ impl DeviceCall {
     pub(crate) unsafe fn enqueue(&self, op: Result<DeviceOp, Error>) -> Result<(), Error> {
         let op = op?;
         let d = &self.dev;
+        let seq = d.flag.issued.load(Ordering::Acquire) + 1;
+        if d.comm.takes_resident(&op) && self.caller.is_capturing()? {
+            // Captured into a CUDA graph: the kernel alone. A replay is a new collective (the kernel
+            // keeps its epochs on the device); the flag is not involved, since a replayed write would
+            // set it back to the captured count.
+            // SAFETY: the caller's contract keeps the buffers as long as the graph may run.
+            unsafe { d.comm.launch_on(&op, &self.caller)? };
+            return Ok(());
+        }
+        if d.comm.takes_resident(&op) {
+            // Device-resident: one kernel on the caller's stream, after every collective issued before
+            // it has ended (they end in issue order, whatever stream they were issued on), then the
+            // device itself counts it ended. Nothing for the worker to do.
+            // SAFETY: the flag's mapped word outlives the communicator's use of the stream; the caller's
+            // contract keeps the buffers until the stream has passed the kernel.
+            unsafe {
+                self.caller
+                    .wait_value32(d.flag.device_addr, (seq - 1) as u32)?;
+                d.comm.launch_on(&op, &self.caller)?;
+                self.caller.write_value32(d.flag.device_addr, seq as u32)?;
+            }
+            d.flag.issued.store(seq, Ordering::Release);
+            return Ok(());
+        }
+        // After every collective issued before it has ended (a device-resident one on another stream
+        // too), so that the flag only grows.
+        // SAFETY: the flag's mapped word outlives the communicator's use of the stream.
+        unsafe {
+            self.caller
+                .wait_value32(d.flag.device_addr, (seq - 1) as u32)?
+        };
         let ready = Event::new(&d.gpu, false)?;
         ready.record(&self.caller)?;
-        let seq = d.flag.issued.load(Ordering::Acquire) + 1;
         let signal = FlagSignal {
             flag: d.flag.clone(),
             seq,

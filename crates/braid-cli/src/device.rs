@@ -1,8 +1,8 @@
 //! `braid perf --device`: the device communicator and buffers the benchmark runs on.
 //!
-//! - `cuda`: the rank's GPU (local rank → device, `BRAID_CUDA_DEVICE` overrides), braid-cuda's
-//!   shareable memory for the rings, its kernels and `CudaEngine` on a high-priority stream, and
-//!   `cuMemAlloc` buffers.
+//! - `cuda`: the rank's GPU (local rank → device, `BRAID_CUDA_DEVICE` overrides) through
+//!   `Communicator::cuda_device` (rings in GPU memory, the CUDA engine, and the device-resident
+//!   all-reduce where every rank can take it), and `cuMemAlloc` buffers.
 //! - `emulated`: braid-transport's `EmulatedDevice` (host memory shared by descriptor, marked as device
 //!   memory) and braid-exec's `EmulatedDeviceEngine`, for machines without a GPU: the same setup,
 //!   transport and schedules, kernels on the CPU.
@@ -86,28 +86,20 @@ pub fn open(comm: &Communicator, device: Device) -> Result<DeviceSide, Error> {
             })
         }
         Device::Cuda => {
-            let local = comm.topology().local_rank(comm.rank()).unwrap_or(0);
-            let opened = (|| {
-                let gpu = braid_cuda::Gpu::for_local_rank(local)?;
-                let kernels = Arc::new(braid_cuda::ReduceCopyKernels::load(&gpu)?);
-                let engine = braid_cuda::CudaEngine::new(kernels, braid_cuda::Priority::High)?;
-                let memory = braid_cuda::CudaMemory::new(&gpu)?;
-                Ok::<_, Error>((gpu, memory, engine))
-            })();
-            // Every rank learns whether every rank could open its GPU before any waits for the others.
-            let (gpu, made) = match opened {
-                Ok((gpu, memory, engine)) => (
-                    Some(gpu),
-                    Ok((
-                        Arc::new(memory) as Arc<dyn DeviceMemory>,
-                        Box::new(engine) as Box<dyn braid_exec::Engine>,
-                    )),
-                ),
-                Err(e) => (None, Err(e)),
-            };
-            let dev = comm.device_from(made)?;
-            let gpu = gpu.ok_or_else(|| Error::Internal("a device without its GPU".into()))?;
-            let describe = format!("cuda device {} ({})", gpu.ordinal(), gpu.name()?);
+            let dev = comm.cuda_device(None)?;
+            let gpu = dev.gpu().cloned().ok_or_else(|| {
+                Error::Internal("a CUDA device communicator without its GPU".into())
+            })?;
+            let describe = format!(
+                "cuda device {} ({}), all-reduce {}",
+                gpu.ordinal(),
+                gpu.name()?,
+                if dev.resident() {
+                    "device-resident"
+                } else {
+                    "host-driven"
+                }
+            );
             Ok(DeviceSide {
                 comm: dev,
                 alloc: Box::new(move |bytes| {

@@ -198,6 +198,18 @@ pub fn compile_kernel(
     .map(|(image, _)| image)
 }
 
+/// Whether the CUDA MPS control daemon runs for this process's pipe directory
+/// (`CUDA_MPS_PIPE_DIRECTORY`, else `/tmp/nvidia-mps`): only then do the kernels of several processes
+/// on one GPU run at the same time (without it the GPU time-slices between processes, and a kernel
+/// that waits for another process's kernel waits a time slice per barrier).
+pub fn mps_active() -> bool {
+    let dir = std::env::var_os("CUDA_MPS_PIPE_DIRECTORY")
+        .filter(|d| !d.is_empty())
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| "/tmp/nvidia-mps".into());
+    dir.join("control").exists()
+}
+
 /// The all-reduce of one rank over windows every rank maps.
 pub struct ResidentAllReduce {
     gpu: Gpu,

@@ -40,7 +40,9 @@ pub use compressed::{
     AdamSafe, AdamSend, ClipScope, CodecSpec, CompressedPath, CompressedReport, CompressionConfig,
     DensityWarmup, GradientCompressor, Output, SparsePath,
 };
-pub use device::{DeviceCommunicator, DeviceGate, DeviceOp, DeviceParts, DeviceSignal, Ready};
+pub use device::{
+    DeviceCommunicator, DeviceGate, DeviceOp, DeviceParts, DeviceSignal, Ready, RESIDENT_VARIABLE,
+};
 pub use id::UniqueId;
 pub use job::JobEnv;
 pub use recorder::FlightRecord;

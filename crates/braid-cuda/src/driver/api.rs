@@ -33,6 +33,8 @@ pub const CUDA_ERROR_OUT_OF_MEMORY: CuResult = 2;
 /// `CUDA_ERROR_NOT_READY`: a stream or event query whose work has not finished.
 pub const CUDA_ERROR_NOT_READY: CuResult = 600;
 
+/// `CU_STREAM_CAPTURE_STATUS_NONE`: the stream is not being captured.
+pub const STREAM_CAPTURE_STATUS_NONE: c_int = 0;
 /// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`: a capture that other threads' unsafe calls do not end.
 pub const STREAM_CAPTURE_MODE_THREAD_LOCAL: c_int = 1;
 
@@ -215,6 +217,10 @@ pub const CONSTANTS: &[(&str, i64)] = &[
     ("CUDA_ERROR_INVALID_VALUE", CUDA_ERROR_INVALID_VALUE as i64),
     ("CUDA_ERROR_OUT_OF_MEMORY", CUDA_ERROR_OUT_OF_MEMORY as i64),
     (
+        "CU_STREAM_CAPTURE_STATUS_NONE",
+        STREAM_CAPTURE_STATUS_NONE as i64,
+    ),
+    (
         "CU_STREAM_CAPTURE_MODE_THREAD_LOCAL",
         STREAM_CAPTURE_MODE_THREAD_LOCAL as i64,
     ),
@@ -367,6 +373,9 @@ driver_api! {
     /// `cuStreamWaitValue32`.
     stream_wait_value32 = ["cuStreamWaitValue32_v2"] fn(Handle, CuDevicePtr, u32, c_uint)
         as "CUstream, CUdeviceptr, cuuint32_t, unsigned int";
+    /// `cuStreamWriteValue32`.
+    stream_write_value32 = ["cuStreamWriteValue32_v2"] fn(Handle, CuDevicePtr, u32, c_uint)
+        as "CUstream, CUdeviceptr, cuuint32_t, unsigned int";
     /// `cuMemFreeHost`.
     mem_free_host = ["cuMemFreeHost"] fn(*mut c_void) as "void*";
     /// `cuMemHostRegister`.
@@ -453,6 +462,8 @@ driver_api! {
     memset_d8 = ["cuMemsetD8_v2"] fn(CuDevicePtr, u8, usize) as "CUdeviceptr, unsigned char, size_t";
     /// `cuStreamBeginCapture` (`_v2` takes the capture mode).
     stream_begin_capture = ["cuStreamBeginCapture_v2"] fn(Handle, c_int) as "CUstream, CUstreamCaptureMode";
+    /// `cuStreamIsCapturing`.
+    stream_is_capturing = ["cuStreamIsCapturing"] fn(Handle, *mut c_int) as "CUstream, CUstreamCaptureStatus*";
     /// `cuStreamEndCapture`.
     stream_end_capture = ["cuStreamEndCapture"] fn(Handle, *mut Handle) as "CUstream, CUgraph*";
     /// `cuGraphInstantiateWithFlags`.

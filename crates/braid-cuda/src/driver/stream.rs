@@ -122,6 +122,20 @@ impl Stream {
         check(api, r, || "cuStreamWaitValue32".into())
     }
 
+    /// Makes the device write `value` to the 32-bit word at device address `addr` once the work queued
+    /// on this stream before it has finished.
+    ///
+    /// # Safety
+    /// `addr` must stay a valid device-mapped word until the write has happened, written by nothing
+    /// else that could race with it.
+    pub unsafe fn write_value32(&self, addr: u64, value: u32) -> Result<(), Error> {
+        self.gpu.bind()?;
+        let api = self.gpu.api();
+        // SAFETY: the caller's contract for `addr`; a live stream; flags 0 (default ordering).
+        let r = unsafe { (api.stream_write_value32)(self.raw, addr, value, 0) };
+        check(api, r, || "cuStreamWriteValue32".into())
+    }
+
     /// Queues `len` bytes from `src` to `dst` (device or pinned host addresses under unified
     /// addressing).
     ///
@@ -316,6 +330,17 @@ impl Stream {
         let r =
             unsafe { (api.stream_begin_capture)(self.raw, api::STREAM_CAPTURE_MODE_THREAD_LOCAL) };
         check(api, r, || "cuStreamBeginCapture".into())
+    }
+
+    /// Whether work queued on this stream is being captured into a graph (rather than run).
+    pub fn is_capturing(&self) -> Result<bool, Error> {
+        self.gpu.bind()?;
+        let api = self.gpu.api();
+        let mut status: std::ffi::c_int = 0;
+        // SAFETY: a live stream; valid out-pointer.
+        let r = unsafe { (api.stream_is_capturing)(self.raw, &mut status) };
+        check(api, r, || "cuStreamIsCapturing".into())?;
+        Ok(status != api::STREAM_CAPTURE_STATUS_NONE)
     }
 
     /// Ends the capture begun by [`begin_capture`](Self::begin_capture) and instantiates the graph.

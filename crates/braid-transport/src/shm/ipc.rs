@@ -145,32 +145,24 @@ impl Transport for Ipc {
         };
         let own = Segment::create(&self.dir.join(&name), layout, g.rank)?;
         let bytes = layout.device_bytes(self.memory.granularity());
-        let (alloc, shared) = self.memory.allocate(bytes)?;
-        let offer = encode_offer(bytes, &shared)?;
-        let what = || format!("listening on the abstract socket @{name}");
-        let addr =
-            SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| Error::io(what(), e))?;
-        let listener = UnixListener::bind_addr(&addr).map_err(|e| Error::io(what(), e))?;
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| Error::io(what(), e))?;
+        let share = DeviceShare::new(&*self.memory, &name, bytes)?;
         Ok(Box::new(IpcPrepared {
             own,
             layout,
             memory: self.memory,
-            alloc,
-            shared,
-            offer,
-            listener,
-            socket: name,
-            bytes,
+            share,
         }))
     }
 }
 
-/// What a peer published.
+/// What a peer published: its segment and its device share.
 struct Remote {
     path: String,
+    share: ShareRemote,
+}
+
+/// Where a peer's device share is fetched from, and how many bytes it must have.
+struct ShareRemote {
     socket: String,
     bytes: usize,
 }
@@ -186,8 +178,10 @@ fn parse_endpoint(p: usize, blob: &[u8]) -> Result<Remote, Error> {
     };
     Ok(Remote {
         path: path.to_string(),
-        socket: socket.to_string(),
-        bytes: bytes.parse().map_err(|_| bad())?,
+        share: ShareRemote {
+            socket: socket.to_string(),
+            bytes: bytes.parse().map_err(|_| bad())?,
+        },
     })
 }
 
@@ -195,13 +189,7 @@ struct IpcPrepared {
     own: Segment,
     layout: Layout,
     memory: Arc<dyn DeviceMemory>,
-    alloc: Box<dyn DeviceAllocation>,
-    /// What `alloc` is shared by: a descriptor stays open until setup is over.
-    shared: Shareable,
-    offer: [u8; OFFER_BYTES],
-    listener: UnixListener,
-    socket: String,
-    bytes: usize,
+    share: DeviceShare,
 }
 
 fn left(deadline: Instant) -> Option<Duration> {
@@ -210,7 +198,121 @@ fn left(deadline: Instant) -> Option<Duration> {
         .filter(|d| !d.is_zero())
 }
 
-impl IpcPrepared {
+/// One device allocation of this rank that the other ranks of the host map: offered over an abstract
+/// Unix socket to each peer that shows the communicator's secret, and fetched from each peer's socket
+/// (an offer of [`OFFER_BYTES`], with its descriptor as `SCM_RIGHTS` where it is shared by one). The
+/// `ipc` transport shares its rings so; the device-resident collectives share their windows so.
+pub struct DeviceShare {
+    alloc: Box<dyn DeviceAllocation>,
+    /// What `alloc` is shared by: a descriptor stays open until the exchange is over.
+    shared: Shareable,
+    offer: [u8; OFFER_BYTES],
+    listener: UnixListener,
+    socket: String,
+    bytes: usize,
+}
+
+/// This rank's allocation and every peer's as mapped here (`None` for this rank and for ranks that
+/// were not asked for).
+pub struct SharedAllocations {
+    /// This rank's allocation.
+    pub own: Box<dyn DeviceAllocation>,
+    /// Each peer's allocation, mapped in this process.
+    pub peers: Vec<Option<Box<dyn DeviceAllocation>>>,
+}
+
+impl DeviceShare {
+    /// Allocates `bytes` (a multiple of the memory's granularity) of zeroed device memory and listens
+    /// on the abstract socket `@name` for peers (non-blocking).
+    pub fn new(memory: &dyn DeviceMemory, name: &str, bytes: usize) -> Result<DeviceShare, Error> {
+        let (alloc, shared) = memory.allocate(bytes)?;
+        let offer = encode_offer(bytes, &shared)?;
+        let what = || format!("listening on the abstract socket @{name}");
+        let addr =
+            SocketAddr::from_abstract_name(name.as_bytes()).map_err(|e| Error::io(what(), e))?;
+        let listener = UnixListener::bind_addr(&addr).map_err(|e| Error::io(what(), e))?;
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io(what(), e))?;
+        Ok(DeviceShare {
+            alloc,
+            shared,
+            offer,
+            listener,
+            socket: name.to_string(),
+            bytes,
+        })
+    }
+
+    /// The device address of this rank's allocation.
+    pub fn addr(&self) -> u64 {
+        self.alloc.addr()
+    }
+
+    /// What peers need to fetch the allocation: `socket\nbytes`.
+    pub fn endpoint(&self) -> Vec<u8> {
+        format!("{}\n{}", self.socket, self.bytes).into_bytes()
+    }
+
+    /// Serves this rank's offer to the peers that `endpoints` names (`Some`: each peer's
+    /// [`endpoint`](Self::endpoint)) while fetching and mapping each of theirs, all before the setup
+    /// deadline. A peer's endpoint or offer that is malformed, or that disagrees with its endpoint, is
+    /// a bootstrap error naming the peer.
+    pub fn exchange(
+        self,
+        ctx: &SetupCtx,
+        memory: &dyn DeviceMemory,
+        endpoints: &[Option<&[u8]>],
+    ) -> Result<SharedAllocations, Error> {
+        let mut remotes = Vec::with_capacity(endpoints.len());
+        for (p, e) in endpoints.iter().enumerate() {
+            remotes.push(match e {
+                None => None,
+                Some(blob) => {
+                    let bad =
+                        || Error::Bootstrap(format!("rank {p} published a malformed device share"));
+                    let text = std::str::from_utf8(blob).map_err(|_| bad())?;
+                    let (socket, bytes) = text.split_once('\n').ok_or_else(bad)?;
+                    Some(ShareRemote {
+                        socket: socket.to_string(),
+                        bytes: bytes.parse().map_err(|_| bad())?,
+                    })
+                }
+            });
+        }
+        let peers = self.swap(ctx, memory, &remotes)?;
+        Ok(SharedAllocations {
+            own: self.alloc,
+            peers,
+        })
+    }
+
+    /// Serves this rank's offer to every peer in `remotes` while fetching theirs.
+    fn swap(
+        &self,
+        ctx: &SetupCtx,
+        memory: &dyn DeviceMemory,
+        remotes: &[Option<ShareRemote>],
+    ) -> Result<Vec<Option<Box<dyn DeviceAllocation>>>, Error> {
+        let expected: Vec<usize> = (0..remotes.len())
+            .filter(|&p| remotes[p].is_some())
+            .collect();
+        let (served, fetched) = std::thread::scope(|s| {
+            let server = s.spawn(|| self.serve(ctx, &expected));
+            let fetched: Result<Vec<Option<Box<dyn DeviceAllocation>>>, Error> = remotes
+                .iter()
+                .enumerate()
+                .map(|(p, r)| r.as_ref().map(|r| fetch(ctx, memory, p, r)).transpose())
+                .collect();
+            let served = server.join().unwrap_or_else(|_| {
+                Err(Error::Internal("ipc: the serving thread panicked".into()))
+            });
+            (served, fetched)
+        });
+        served?;
+        fetched
+    }
+
     /// Hands this rank's offer to each of `expected` peers that shows the secret.
     fn serve(&self, ctx: &SetupCtx, expected: &[usize]) -> Result<(), Error> {
         let mut served = vec![false; ctx.geometry.world];
@@ -268,7 +370,7 @@ fn fetch(
     ctx: &SetupCtx,
     memory: &dyn DeviceMemory,
     p: usize,
-    remote: &Remote,
+    remote: &ShareRemote,
 ) -> Result<Box<dyn DeviceAllocation>, Error> {
     let what = || {
         format!(
@@ -320,8 +422,8 @@ impl Prepared for IpcPrepared {
         format!(
             "{}\n{}\n{}",
             self.own.path().display(),
-            self.socket,
-            self.bytes
+            self.share.socket,
+            self.share.bytes
         )
         .into_bytes()
     }
@@ -338,7 +440,6 @@ impl Prepared for IpcPrepared {
                 Some(peer) => Some(parse_endpoint(p, peer.endpoint(NAME).unwrap_or_default())?),
             });
         }
-        let expected: Vec<usize> = (0..peers.len()).filter(|&p| remotes[p].is_some()).collect();
         let mut segments = Vec::with_capacity(peers.len());
         for (p, r) in remotes.iter().enumerate() {
             segments.push(match r {
@@ -346,28 +447,13 @@ impl Prepared for IpcPrepared {
                 Some(r) => Some(Segment::open(Path::new(&r.path), self.layout, p)?),
             });
         }
-        let this = &*self;
-        let (served, fetched) = std::thread::scope(|s| {
-            let server = s.spawn(|| this.serve(ctx, &expected));
-            let fetched: Result<Vec<Option<Box<dyn DeviceAllocation>>>, Error> = remotes
-                .iter()
-                .enumerate()
-                .map(|(p, r)| {
-                    r.as_ref()
-                        .map(|r| fetch(ctx, &*this.memory, p, r))
-                        .transpose()
-                })
-                .collect();
-            let served = server.join().unwrap_or_else(|_| {
-                Err(Error::Internal("ipc: the serving thread panicked".into()))
-            });
-            (served, fetched)
-        });
-        served?;
-        let fetched = fetched?;
+        let shares: Vec<Option<ShareRemote>> =
+            remotes.into_iter().map(|r| r.map(|r| r.share)).collect();
+        let fetched = self.share.swap(ctx, &*self.memory, &shares)?;
         let IpcPrepared {
-            own, memory, alloc, ..
+            own, memory, share, ..
         } = *self;
+        let alloc = share.alloc;
         Ok(Box::new(IpcConnected {
             own,
             peers: segments,

@@ -14,6 +14,11 @@
 //! the communicator unusable ([`DeviceCommunicator::async_error`]); later collectives fail at once and
 //! their signals still fire, so that nothing waits on them forever.
 //!
+//! On CUDA ([`Communicator::cuda_device`]), an all-reduce runs device-resident where every rank can
+//! (see the `resident` module): one kernel launch per collective, ordered on the caller's stream
+//! ([`DeviceCommunicator::launch_on`]) or on the communicator's own (blocking calls), with no host thread
+//! on the data path; the other collectives keep the host-driven path above.
+//!
 //! Every rank of the communicator must be on one host for now (rings between hosts in device memory
 //! need RDMA into device memory or staging through the host, which come later).
 
@@ -34,6 +39,9 @@ use parking_lot::Mutex;
 
 use crate::comm::Communicator;
 use crate::tune::{AlgoPolicy, Tuner};
+
+mod resident;
+pub use resident::RESIDENT_VARIABLE;
 
 /// The device memory and the engine a rank brings to [`Communicator::device_from`].
 pub type DeviceParts = (Arc<dyn DeviceMemory>, Box<dyn Engine>);
@@ -76,6 +84,8 @@ pub struct DeviceCommunicator {
     routes: Vec<&'static str>,
     shared: Arc<Shared>,
     worker: Mutex<Option<Worker>>,
+    /// The GPU, for a communicator made by [`Communicator::cuda_device`].
+    gpu: Option<braid_cuda::Gpu>,
 }
 
 struct Worker {
@@ -98,6 +108,8 @@ struct Shared {
     sticky: Mutex<Option<Error>>,
     /// Collectives queued and not yet ended.
     queued: AtomicUsize,
+    /// The device-resident all-reduce, where every rank set it up.
+    resident: Option<resident::Resident>,
 }
 
 struct State {
@@ -108,10 +120,21 @@ struct State {
 
 impl Shared {
     fn poisoned(&self) -> Option<Error> {
-        self.sticky.lock().as_ref().map(|first| Error::Poisoned {
+        self.first_error().map(|first| Error::Poisoned {
             rank: self.rank,
             first: first.to_string(),
         })
+    }
+
+    /// The first failure: a host-driven collective's, or one a device-resident kernel recorded.
+    fn first_error(&self) -> Option<Error> {
+        let mut sticky = self.sticky.lock();
+        if sticky.is_none() {
+            if let Some(Err(e)) = self.resident.as_ref().map(resident::Resident::status) {
+                *sticky = Some(e);
+            }
+        }
+        sticky.clone()
     }
 
     /// Runs `op` on this thread; a failure makes the communicator unusable.
@@ -120,6 +143,15 @@ impl Shared {
             return Err(e);
         }
         let mut state = self.state.lock();
+        if let Some(r) = self.resident.as_ref().filter(|r| r.takes(&op.op)) {
+            // SAFETY: `run`'s and the worker's callers keep the spans valid until this returns.
+            let result = unsafe { r.run(&op.op, self.timeout) };
+            if let Err(e) = &result {
+                self.sticky.lock().get_or_insert_with(|| e.clone());
+            }
+            drop(state);
+            return result;
+        }
         let st = &mut *state;
         let o = op.op;
         let algo = st.tuner.pick_cached(o.collective, o.count * o.dtype.size());
@@ -325,9 +357,54 @@ impl Communicator {
                 }),
                 sticky: Mutex::new(None),
                 queued: AtomicUsize::new(0),
+                resident: None,
             }),
             worker: Mutex::new(None),
+            gpu: None,
         })
+    }
+
+    /// Collectives on the memory of this rank's GPU: device `ordinal`, or the local rank's
+    /// (`BRAID_CUDA_DEVICE` overriding) when `None`. The reduce-copy kernels, a high-priority engine
+    /// stream, the `ipc` transport's rings in GPU memory and, where every rank can take it, the
+    /// device-resident all-reduce. Every rank calls it; when any rank cannot open its
+    /// GPU, every rank returns an error.
+    pub fn cuda_device(&self, ordinal: Option<usize>) -> Result<DeviceCommunicator, Error> {
+        let local = self.topology().local_rank(self.rank()).unwrap_or(0);
+        let opened = (|| {
+            let gpu = match ordinal {
+                Some(o) => braid_cuda::Gpu::open(o)?,
+                None => braid_cuda::Gpu::for_local_rank(local)?,
+            };
+            let kernels = Arc::new(braid_cuda::ReduceCopyKernels::load(&gpu)?);
+            let engine = braid_cuda::CudaEngine::new(kernels, braid_cuda::Priority::High)?;
+            let memory = Arc::new(braid_cuda::CudaMemory::new(&gpu)?);
+            Ok::<_, Error>((gpu, memory, engine))
+        })();
+        let (opened, made) = match opened {
+            Ok((gpu, memory, engine)) => (
+                Some((gpu, memory.clone())),
+                Ok((
+                    memory as Arc<dyn DeviceMemory>,
+                    Box::new(engine) as Box<dyn Engine>,
+                )),
+            ),
+            Err(e) => (None, Err(e)),
+        };
+        let mut dev = self.device_from(made)?;
+        let (gpu, memory) =
+            opened.ok_or_else(|| Error::Internal("a device without its GPU".into()))?;
+        let resident = resident::Resident::setup(self, &gpu, &*memory)?;
+        match Arc::get_mut(&mut dev.shared) {
+            Some(shared) => shared.resident = resident,
+            None => {
+                return Err(Error::Internal(
+                    "a new device communicator is already shared".into(),
+                ))
+            }
+        }
+        dev.gpu = Some(gpu);
+        Ok(dev)
     }
 
     /// [`Communicator::device`] with the memory and engine each rank has made (or failed to make, e.g.
@@ -400,9 +477,63 @@ impl DeviceCommunicator {
         Ok(())
     }
 
-    /// The first error that made this communicator unusable, if any.
+    /// The first error that made this communicator unusable, if any (a device-resident kernel's
+    /// failure counts once its launch has ended).
     pub fn async_error(&self) -> Option<Error> {
-        self.shared.sticky.lock().clone()
+        self.shared.first_error()
+    }
+
+    /// The GPU of a communicator made by [`Communicator::cuda_device`].
+    pub fn gpu(&self) -> Option<&braid_cuda::Gpu> {
+        self.gpu.as_ref()
+    }
+
+    /// Whether all-reduces run device-resident (one kernel each, no host thread on the data path).
+    pub fn resident(&self) -> bool {
+        self.shared.resident.is_some()
+    }
+
+    /// Ends every wait of this rank's device-resident kernels, running or later, with an error (the
+    /// peers' kernels then end by their deadline, or by their own abort).
+    pub fn abort(&self) {
+        if let Some(r) = &self.shared.resident {
+            r.abort();
+        }
+    }
+
+    /// Whether `op` runs device-resident (every rank answers the same for the same op).
+    pub fn takes_resident(&self, op: &DeviceOp) -> bool {
+        self.shared
+            .resident
+            .as_ref()
+            .is_some_and(|r| r.takes(&op.op))
+    }
+
+    /// Queues `op` on `stream` (a stream of this communicator's GPU) when it runs device-resident, and
+    /// says whether it did: `false` leaves `op` to [`enqueue`](Self::enqueue) or [`run`](Self::run).
+    /// Every rank decides the same for the same op. The kernel is ordered after the work queued on
+    /// `stream` before it, and the work queued after it waits for it; nothing waits on the host, and
+    /// under CUDA graph capture the launch is captured (its arguments do not change between calls, so
+    /// replays are new collectives). A failure shows in [`async_error`](Self::async_error) once the
+    /// kernel has ended.
+    ///
+    /// # Safety
+    /// The op's spans must stay valid device memory, untouched by anything not ordered on `stream`,
+    /// until the kernel completes on `stream`.
+    pub unsafe fn launch_on(
+        &self,
+        op: &DeviceOp,
+        stream: &braid_cuda::Stream,
+    ) -> Result<bool, Error> {
+        let Some(r) = self.shared.resident.as_ref().filter(|r| r.takes(&op.op)) else {
+            return Ok(false);
+        };
+        if let Some(e) = self.shared.poisoned() {
+            return Err(e);
+        }
+        // SAFETY: the caller's contract.
+        unsafe { r.launch(&op.op, stream)? };
+        Ok(true)
     }
 
     /// Collectives queued and not yet ended.
