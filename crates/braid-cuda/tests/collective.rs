@@ -31,32 +31,16 @@ use std::time::{Duration, Instant};
 use braid_core::reduce::{reduce_ordered, Src};
 use braid_core::{DType, ReduceOp};
 use support::cases::{data, Rng};
-use support::{cxx, kernels_dir, scratch, unavailable};
+use support::{build_host_program, cxx, scratch, unavailable};
 
 /// The collective driver, built once (with ThreadSanitizer) for all the tests of this file.
 fn driver() -> Option<PathBuf> {
     static EXE: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let built = EXE.get_or_init(|| {
         let cxx = cxx()?;
-        let host = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/host");
         let exe = scratch("collective").join("collective_driver");
-        let out = Command::new(cxx)
-            .args(["-std=c++17", "-O1", "-g", "-Wall", "-Wextra", "-Werror"])
-            .args(["-Wno-unknown-pragmas", "-fsanitize=thread"])
-            .arg("-I")
-            .arg(kernels_dir())
-            .arg("-I")
-            .arg(&host)
-            .arg(host.join("collective_driver.cpp"))
-            .arg("-o")
-            .arg(&exe)
-            .output()
-            .expect("running the C++ compiler");
-        assert!(
-            out.status.success(),
-            "building the collective driver failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let flags = ["-O1", "-Wno-unknown-pragmas", "-fsanitize=thread"];
+        build_host_program(&cxx, "collective_driver.cpp", &flags, &exe);
         Ok(exe)
     });
     match built {

@@ -24,7 +24,7 @@ use braid_core::reduce::{self, Src};
 use braid_core::{DType, ReduceOp};
 use braid_cuda::{kernel_name, Shape};
 use support::cases::{check_kernel, Grid, Operand, Rng, Runner};
-use support::{cxx, kernels_dir, scratch, unavailable};
+use support::{build_host_program, cxx, scratch, unavailable};
 
 /// How the driver runs a kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,38 +54,22 @@ fn build_driver(build: Build) -> Option<PathBuf> {
 }
 
 fn compile_driver(cxx: &str, build: Build) -> PathBuf {
-    let dir = scratch(&format!("driver-{build:?}"));
-    let exe = dir.join("driver");
-    let host = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/host");
-    let mut cmd = Command::new(cxx);
-    cmd.args([
-        "-std=c++17",
-        "-O0",
-        "-g",
-        "-Wall",
-        "-Wextra",
-        "-Werror",
-        "-Wno-unknown-pragmas",
-    ]);
-    match build {
-        Build::Body => cmd.args(["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]),
-        Build::Simt => cmd.args(["-DBRAID_SIMT", "-fsanitize=thread"]),
+    let exe = scratch(&format!("driver-{build:?}")).join("driver");
+    let flags: &[&str] = match build {
+        Build::Body => &[
+            "-O0",
+            "-Wno-unknown-pragmas",
+            "-fsanitize=address,undefined",
+            "-fno-sanitize-recover=all",
+        ],
+        Build::Simt => &[
+            "-O0",
+            "-Wno-unknown-pragmas",
+            "-DBRAID_SIMT",
+            "-fsanitize=thread",
+        ],
     };
-    let out = cmd
-        .arg("-I")
-        .arg(kernels_dir())
-        .arg("-I")
-        .arg(&host)
-        .arg(host.join("driver.cpp"))
-        .arg("-o")
-        .arg(&exe)
-        .output()
-        .expect("running the C++ compiler");
-    assert!(
-        out.status.success(),
-        "building the {build:?} host driver failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    build_host_program(cxx, "driver.cpp", flags, &exe);
     exe
 }
 

@@ -10,26 +10,18 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use support::{cxx, scratch, unavailable};
+use support::{build_host_program, cxx, scratch, unavailable};
 
 fn selftest() -> Option<PathBuf> {
     static EXE: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let built = EXE.get_or_init(|| {
         let cxx = cxx()?;
-        let host = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/host");
         let exe = scratch("simt").join("simt_selftest");
-        let out = Command::new(cxx)
-            .args(["-std=c++17", "-O1", "-g", "-Wall", "-Wextra", "-Werror"])
-            .arg("-fsanitize=thread")
-            .arg(host.join("simt_selftest.cpp"))
-            .arg("-o")
-            .arg(&exe)
-            .output()
-            .expect("running the C++ compiler");
-        assert!(
-            out.status.success(),
-            "building the SIMT self-test failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
+        build_host_program(
+            &cxx,
+            "simt_selftest.cpp",
+            &["-O1", "-fsanitize=thread"],
+            &exe,
         );
         Ok(exe)
     });

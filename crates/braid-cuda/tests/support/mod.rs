@@ -111,3 +111,27 @@ pub fn scratch(name: &str) -> PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// Builds the host program `tests/host/<source>` (the kernels and `tests/host` on the include path)
+/// with the C++ compiler, `-std=c++17 -g -Wall -Wextra -Werror` and `flags`, into `exe`; panics with
+/// the compiler's output when it fails.
+pub fn build_host_program(cxx: &str, source: &str, flags: &[&str], exe: &Path) {
+    let host = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/host");
+    let out = Command::new(cxx)
+        .args(["-std=c++17", "-g", "-Wall", "-Wextra", "-Werror"])
+        .args(flags)
+        .arg("-I")
+        .arg(kernels_dir())
+        .arg("-I")
+        .arg(&host)
+        .arg(host.join(source))
+        .arg("-o")
+        .arg(exe)
+        .output()
+        .expect("running the C++ compiler");
+    assert!(
+        out.status.success(),
+        "building {source} with {flags:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
