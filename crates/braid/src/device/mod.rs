@@ -270,38 +270,17 @@ impl Communicator {
             let setup = self.all_agree("preparing device rings", prepared)?;
             let mine = setup.endpoints().into_iter().find(|e| e.transport == NAME);
             let blob = mine.map(|e| e.blob).unwrap_or_default();
-            let mut frame = vec![0u8; ENDPOINT_MAX];
-            let fits = blob.len() <= ENDPOINT_MAX - 2;
-            if fits {
-                frame[..2].copy_from_slice(&(blob.len() as u16).to_le_bytes());
-                frame[2..2 + blob.len()].copy_from_slice(&blob);
-            }
-            let fits = self.all_agree(
-                "exchanging device ring endpoints",
-                if fits {
-                    Ok(())
-                } else {
-                    Err(Error::Internal(format!(
-                        "the ipc endpoint takes {} bytes, more than {ENDPOINT_MAX}",
-                        blob.len()
-                    )))
-                },
-            );
-            fits?;
-            let mut all = vec![0u8; ENDPOINT_MAX * world];
-            self.all_gather(&frame, &mut all)?;
-            let table: Vec<Peer> = (0..world)
-                .map(|p| {
-                    let f = &all[p * ENDPOINT_MAX..(p + 1) * ENDPOINT_MAX];
-                    let len = (u16::from_le_bytes([f[0], f[1]]) as usize).min(ENDPOINT_MAX - 2);
-                    Peer {
-                        pid: 0,
-                        host: inner.host_ids[p].clone(),
-                        endpoints: vec![Endpoint {
-                            transport: NAME.into(),
-                            blob: f[2..2 + len].to_vec(),
-                        }],
-                    }
+            let blobs = self.exchange_blobs("exchanging device ring endpoints", &blob)?;
+            let table: Vec<Peer> = blobs
+                .into_iter()
+                .enumerate()
+                .map(|(p, blob)| Peer {
+                    pid: 0,
+                    host: inner.host_ids[p].clone(),
+                    endpoints: vec![Endpoint {
+                        transport: NAME.into(),
+                        blob,
+                    }],
                 })
                 .collect();
             let connecting = setup.connect(&table, policy);
@@ -416,6 +395,38 @@ impl Communicator {
     ) -> Result<DeviceCommunicator, Error> {
         let (memory, engine) = self.all_agree("opening the device", made)?;
         self.device(memory, engine)
+    }
+
+    /// Every rank's `blob` (at most [`ENDPOINT_MAX`] − 2 bytes), in rank order, through this
+    /// communicator's all-gather. A rank whose blob does not fit makes the call fail on every rank.
+    fn exchange_blobs(&self, what: &str, blob: &[u8]) -> Result<Vec<Vec<u8>>, Error> {
+        let mut frame = vec![0u8; ENDPOINT_MAX];
+        let fits = blob.len() <= ENDPOINT_MAX - 2;
+        if fits {
+            frame[..2].copy_from_slice(&(blob.len() as u16).to_le_bytes());
+            frame[2..2 + blob.len()].copy_from_slice(blob);
+        }
+        self.all_agree(
+            what,
+            if fits {
+                Ok(())
+            } else {
+                Err(Error::Internal(format!(
+                    "{what}: an endpoint of {} bytes, more than {}",
+                    blob.len(),
+                    ENDPOINT_MAX - 2
+                )))
+            },
+        )?;
+        let mut all = vec![0u8; ENDPOINT_MAX * self.world_size()];
+        self.all_gather(&frame, &mut all)?;
+        Ok(all
+            .chunks_exact(ENDPOINT_MAX)
+            .map(|f| {
+                let len = (u16::from_le_bytes([f[0], f[1]]) as usize).min(ENDPOINT_MAX - 2);
+                f[2..2 + len].to_vec()
+            })
+            .collect())
     }
 
     /// Returns `result` when every rank's step succeeded; otherwise every rank returns an error (its

@@ -34,8 +34,6 @@ pub const RESIDENT_VARIABLE: &str = "BRAID_CUDA_RESIDENT";
 
 /// Bytes of one staging half of a window.
 const STAGE_BYTES: usize = 16 << 20;
-/// The most bytes a window's endpoint may take in the exchange.
-const ENDPOINT_MAX: usize = 256;
 
 /// The (dtype, op) kernels every rank loads at setup.
 const USUAL: [(DType, ReduceOp); 6] = [
@@ -198,32 +196,11 @@ impl Resident {
         ]);
         let share = DeviceShare::new(memory, &format!("braid-{nonce:016x}-r{rank}-win"), bytes);
         let share = comm.all_agree("allocating device windows", share)?;
-        let blob = share.endpoint();
-        let mut frame = vec![0u8; ENDPOINT_MAX];
-        let fits = blob.len() < ENDPOINT_MAX;
-        if fits {
-            frame[0] = blob.len() as u8;
-            frame[1..1 + blob.len()].copy_from_slice(&blob);
-        }
-        comm.all_agree(
-            "exchanging device windows",
-            if fits {
-                Ok(())
-            } else {
-                Err(Error::Internal(format!(
-                    "a device window's endpoint takes {} bytes",
-                    blob.len()
-                )))
-            },
-        )?;
-        let mut all = vec![0u8; ENDPOINT_MAX * world];
-        comm.all_gather(&frame, &mut all)?;
-        let endpoints: Vec<Option<&[u8]>> = (0..world)
-            .map(|p| {
-                let f = &all[p * ENDPOINT_MAX..(p + 1) * ENDPOINT_MAX];
-                let len = (f[0] as usize).min(ENDPOINT_MAX - 1);
-                (p != rank).then(|| &f[1..1 + len])
-            })
+        let blobs = comm.exchange_blobs("exchanging device windows", &share.endpoint())?;
+        let endpoints: Vec<Option<&[u8]>> = blobs
+            .iter()
+            .enumerate()
+            .map(|(p, b)| (p != rank).then_some(b.as_slice()))
             .collect();
         let ctx = SetupCtx {
             geometry: Geometry {
