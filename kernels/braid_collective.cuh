@@ -98,7 +98,8 @@ struct ArArgs {
 struct ArState {
   unsigned int epoch;  // the last barrier epoch this block completed
   unsigned int iter;   // iterations completed (staging parity)
-  unsigned int fail;   // nonzero once a wait of this block failed in the current launch
+  unsigned int fail;   // nonzero once a wait of this block failed in the current launch, or the launch
+                       // found a failure already recorded
   unsigned int pad;
 };
 
@@ -320,6 +321,7 @@ struct AllReduce {
 
   // After the first barrier: every peer's descriptor matches this rank's; false (in every thread) if not.
   static BRAID_D bool check(const ArArgs& a, ArState* st, unsigned int parity, unsigned int epoch) {
+    __syncthreads();  // every thread has read the barrier's outcome before a mismatch changes it
     if (threadIdx.x < (unsigned int)W && threadIdx.x != a.rank) {
       const ArDesc* mine = ar_desc(a.window[a.rank], blockIdx.x, parity);
       const ArDesc* theirs = ar_desc(a.window[threadIdx.x], blockIdx.x, parity);
@@ -348,14 +350,16 @@ struct AllReduce {
       return;
     }
     ArState* st = ar_state(a.window[R], b);
-    // After a failure the ranks' epochs disagree: a later launch returns at once, signalling nothing
-    // (a barrier whose flag happens to be reached would not notice the failure otherwise).
-    if (a.status && ld_relaxed_sys((const unsigned int*)a.status)) return;
-
     // Every thread reads the state before thread 0 may change it below.
     unsigned int epoch = st->epoch, iter = st->iter;
-    if (t == 0) st_relaxed_sys(&st->fail, 0u);
+    // After a failure the ranks' epochs disagree: a later launch returns at once, signalling nothing
+    // (a barrier whose flag happens to be reached would not notice the failure otherwise). Thread 0
+    // alone reads the status and every thread acts on what it read: the status may be set by another
+    // block while this one starts, and threads deciding apart would leave a barrier with some of its
+    // waiters gone (passing it without a peer).
+    if (t == 0) st_relaxed_sys(&st->fail, a.status && ld_relaxed_sys((const unsigned int*)a.status) ? 1u : 0u);
     __syncthreads();
+    if (ld_relaxed_sys(&st->fail)) return;
     const unsigned long long deadline = now_ns() + a.timeout_ns;
     const unsigned long long sz = sizeof(T);
 

@@ -655,6 +655,18 @@ fn fault(exe: &Path, dir: &Path, ranks: Ranks, mode: u32, extra: &[&str]) -> (Ru
     (run, what)
 }
 
+/// With a rank missing no barrier can be passed: no rank may have written any of its output (the
+/// driver's outputs start zeroed and every input element is 1).
+fn assert_nothing_computed(dir: &Path, what: &str) {
+    for r in 0..4 {
+        let out = std::fs::read(dir.join(format!("out{r}.bin"))).unwrap();
+        assert!(
+            out.iter().all(|&b| b == 0),
+            "{what}\nrank {r} wrote output though a rank never ran (a barrier passed without it)"
+        );
+    }
+}
+
 #[test]
 fn a_rank_that_never_runs_times_its_peers_out_naming_it() {
     let Some(exe) = driver() else { return };
@@ -679,6 +691,7 @@ fn a_rank_that_never_runs_times_its_peers_out_naming_it() {
                     );
                 }
             }
+            assert_nothing_computed(&dir, &what);
             println!("{:>8.2?}  {what}", run.elapsed);
         }
     }
@@ -688,10 +701,14 @@ fn a_rank_that_never_runs_times_its_peers_out_naming_it() {
 fn the_abort_word_ends_every_rank_long_before_the_deadline() {
     let Some(exe) = driver() else { return };
     let dir = scratch("collective-abort");
-    for ranks in [Ranks::Threads, Ranks::Procs] {
+    // Block 0's threads also start apart (late_ms), its barrier's waiters last, well after block 1
+    // was aborted: every thread of a block must act on the same reading of the status, or the
+    // threads still running would pass the barrier without the waiters and reduce without rank 2.
+    for (ranks, late_ms) in [(Ranks::Threads, 0), (Ranks::Procs, 0), (Ranks::Threads, 10)] {
         for mode in 0..3 {
             // The deadline is 100 s and the run must end within 10 s: only the abort can end it.
-            let extra = ["missing=2", "abort_ms=100", "timeout_ms=100000"];
+            let late = format!("late_ms={late_ms}");
+            let extra = ["missing=2", "abort_ms=100", "timeout_ms=100000", &late];
             let (run, what) = fault(&exe, &dir, ranks, mode, &extra);
             for (r, s) in run.statuses.iter().enumerate() {
                 if r == 2 {
@@ -709,6 +726,7 @@ fn the_abort_word_ends_every_rank_long_before_the_deadline() {
                     );
                 }
             }
+            assert_nothing_computed(&dir, &what);
             println!("{:>8.2?}  {what}", run.elapsed);
         }
     }

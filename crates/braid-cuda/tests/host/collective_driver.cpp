@@ -10,7 +10,8 @@
 // iters (collectives run in a row, each over the same inputs), epoch (the barrier epoch the windows
 // start from, to cross the 2^32 wrap), timeout_ms, missing (a rank that never runs: killed at start in
 // procs mode), abort_ms (the abort word is set this long after start), mismatch (a rank that calls
-// with count + 1), inplace (0/1: the output is the input).
+// with count + 1), inplace (0/1: the output is the input), late_ms (thread t of block 0 of every rank starts
+// (threads - 1 - t) * late_ms late: a block whose threads start apart, its barrier's waiters last).
 // Inputs: DIR/in<r>.bin (count elements each); outputs: DIR/out<r>.bin (the last iteration's result);
 // stdout: one line per rank, `rank R status CODE PEER BLOCK`.
 #include "simt.hpp"
@@ -42,12 +43,24 @@ std::string opt_s(const char* key, const char* fallback) {
 
 typedef void (*Kernel)(braid::ArArgs);
 
+// Holds back the start of block 0's threads (late_ms): the last thread starts first.
+void start_late(long long late_ms) {
+  if (late_ms > 0 && blockIdx.x == 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(late_ms * (blockDim.x - 1 - threadIdx.x)));
+}
+
 // One grid of (blocks × world): block (x, y) is block x of rank y.
-__global__ void all_ranks(const braid::ArArgs* args, Kernel k) {
+__global__ void all_ranks(const braid::ArArgs* args, Kernel k, long long late_ms) {
   // The kernel reads blockIdx.x and gridDim.x only: present rank y's blocks as a grid of their own.
   const braid::ArArgs a = args[blockIdx.y];
   blockIdx.y = 0;
   gridDim.y = 1;
+  start_late(late_ms);
+  k(a);
+}
+
+__global__ void late_rank(braid::ArArgs a, Kernel k, long long late_ms) {
+  start_late(late_ms);
   k(a);
 }
 
@@ -134,6 +147,7 @@ int main(int argc, char** argv) {
   const unsigned epoch0 = (unsigned)opt("epoch", 0);
   const long long missing = opt("missing", -1), mismatch = opt("mismatch", -1), abort_ms = opt("abort_ms", -1);
   const bool inplace = opt("inplace", 0) != 0;
+  const long long late_ms = opt("late_ms", 0);
   size_t size = 0;
   Kernel kernel = kernel_for(opt_s("dtype", "f32"), opt_s("op", "sum"), world, &size);
   if (!kernel) simt::fail("unknown dtype or op, or a world size the driver is not built for (1-4, 8)");
@@ -212,7 +226,7 @@ int main(int argc, char** argv) {
       if (pid == 0) {
         if ((long long)r == missing) raise(SIGKILL);
         for (int i = 0; i < iters; i++) {
-          simt::launch(dim3(blocks), dim3(threads), kernel, args[r]);
+          simt::launch(dim3(blocks), dim3(threads), late_rank, args[r], kernel, late_ms);
           if (status[8 * r]) break;
         }
         _exit(0);
@@ -238,9 +252,10 @@ int main(int argc, char** argv) {
         std::vector<braid::ArArgs> present;
         for (unsigned r = 0; r < world; r++)
           if ((long long)r != missing) present.push_back(args[r]);
-        simt::launch(dim3(blocks, (unsigned)present.size()), dim3(threads), all_ranks, present.data(), kernel);
+        simt::launch(dim3(blocks, (unsigned)present.size()), dim3(threads), all_ranks, present.data(), kernel,
+                     late_ms);
       } else {
-        simt::launch(dim3(blocks, world), dim3(threads), all_ranks, dev_args, kernel);
+        simt::launch(dim3(blocks, world), dim3(threads), all_ranks, dev_args, kernel, late_ms);
       }
       bool failed = false;
       for (unsigned r = 0; r < world; r++) failed = failed || status[8 * r];
