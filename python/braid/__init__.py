@@ -224,10 +224,16 @@ _SIGNATURES = {
     "braid_all_reduce_async": [_p, _p, _sz, _i, _i, _p, _p, _pp],
     "braid_all_gather_async": [_p, _p, _sz, _i, _p, _p, _pp],
     "braid_broadcast_async": [_p, _p, _sz, _i, _i, _p, _p, _pp],
+    "braid_reduce_scatter_async": [_p, _p, _sz, _i, _i, _p, _p, _pp],
+    "braid_reduce_async": [_p, _p, _sz, _i, _i, _i, _p, _p, _pp],
+    "braid_all_to_all_async": [_p, _p, _sz, _i, _p, _p, _pp],
+    "braid_all_to_all_v_async": [_p, _sz, ctypes.POINTER(_sz), ctypes.POINTER(_sz), _p, _sz,
+                                 ctypes.POINTER(_sz), ctypes.POINTER(_sz), _i, _p, _p, _pp],
     "braid_barrier_async": [_p, _p, _pp],
     "braid_work_wait": [_p],
     "braid_work_test": [_p, ctypes.POINTER(_i)],
     "braid_work_free": [_p],
+    "braid_work_on_complete": [_p, _p, _p],
 }
 for _name, _args in _SIGNATURES.items():
     _f = getattr(_lib, _name)
@@ -277,12 +283,8 @@ _lib.braid_get_last_error_message.restype = ctypes.c_char_p
 
 def _check(rc):
     """Raises the error class of a non-zero result code, with braid's message for this thread."""
-    if rc == 0:
-        return
-    message = (_lib.braid_get_last_error_message() or b"").decode("utf-8", "replace")
-    if not message:
-        message = (_lib.braid_get_error_string(rc) or b"").decode()
-    raise _ERRORS.get(rc, BraidError)(message, rc)
+    if rc != 0:
+        raise _error_of(rc)
 
 
 def version():
@@ -575,14 +577,55 @@ class UniqueId:
         return f"UniqueId({self.text.split('/')[0]}/...)"
 
 
+# braid_work_callback: void (*)(void *user_data, braid_result result).
+_WORK_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int)
+# Callbacks handed to braid and not yet called, by token: ctypes must keep them alive until then.
+_pending_callbacks = {}
+_next_callback = [0]
+
+
+def _error_of(rc):
+    """The exception for a failed result code, with this thread's braid message."""
+    message = (_lib.braid_get_last_error_message() or b"").decode("utf-8", "replace")
+    if not message:
+        message = (_lib.braid_get_error_string(rc) or b"").decode()
+    return _ERRORS.get(rc, BraidError)(message, rc)
+
+
+@_WORK_CALLBACK
+def _work_done(token, rc):
+    entry = _pending_callbacks.pop(token, None)
+    if entry is None:
+        return
+    fn, keep = entry
+    try:
+        fn(None if rc == 0 else _error_of(rc))
+    except BaseException as e:  # a callback's failure must not reach braid's thread
+        import sys
+        print(f"braid: a completion callback raised {e!r}", file=sys.stderr)
+
+
 class Work:
-    """An asynchronous collective. ``wait()`` returns its result array; ``test()`` whether it is done.
-    The arrays stay referenced here until the work completes."""
+    """An asynchronous collective. ``wait()`` returns its result array; ``test()`` whether it is done;
+    ``on_complete(fn)`` calls ``fn`` when it completes. The arrays stay referenced here until the work
+    completes."""
 
     def __init__(self, handle, result, keep):
         self._h = handle
         self._result = result
         self._keep = keep
+
+    def on_complete(self, fn):
+        """Calls ``fn(error)`` once the collective completes (``error`` is None, or the
+        :class:`BraidError` it failed with): at once if it already has, else on braid's progress
+        thread, so ``fn`` must return promptly and must not wait for braid work. One per work."""
+        token = _next_callback[0] = _next_callback[0] + 1
+        # The arrays stay referenced until the callback has run, even if this Work goes first.
+        _pending_callbacks[token] = (fn, self._keep)
+        rc = _lib.braid_work_on_complete(self._h, _work_done, ctypes.c_void_p(token))
+        if rc != 0:
+            _pending_callbacks.pop(token, None)
+            _check(rc)
 
     def test(self):
         done = _i()
@@ -1055,5 +1098,100 @@ class Communicator(_Closes):
             lambda w: _lib.braid_broadcast_async(_ptr(x), _ptr(x), x.size, code, int(root), self.handle, None, w),
             x, (x,))
 
+    def reduce_scatter_async(self, x, op="sum", out=None):
+        """Queues a reduce-scatter of ``x`` (``size`` equal blocks); ``wait()`` returns ``out``
+        (allocated if None), this rank's reduced block."""
+        _array(x, "x")
+        if x.size % self.size:
+            raise ValueError(f"braid: reduce_scatter_async: {x.size} elements do not split into {self.size} blocks")
+        n = x.size // self.size
+        if out is None:
+            out = np.empty(n, dtype=x.dtype)
+        _array(out, "out", writeable=True)
+        _same_kind(x, out, "reduce_scatter_async")
+        if out.size != n:
+            raise ValueError(f"braid: reduce_scatter_async: out must hold {n} elements")
+        code, o = _dtype_code(x.dtype), _op_code(op)
+        return self._work(
+            lambda w: _lib.braid_reduce_scatter_async(_ptr(x), _ptr(out), n, code, o, self.handle, None, w),
+            out, (x, out))
+
+    def reduce_async(self, x, op="sum", root=0, out=None):
+        """Queues a reduce of ``x`` into ``root``'s ``out`` (default ``x``, in place); ``wait()``
+        returns ``out`` on the root and None elsewhere."""
+        is_root = self.rank == root
+        _array(x, "x", writeable=is_root and out is None)
+        if is_root:
+            out = x if out is None else _array(out, "out", writeable=True)
+            _same_kind(x, out, "reduce_async")
+            if out.size != x.size:
+                raise ValueError(f"braid: reduce_async: out has {out.size} elements, x {x.size}")
+        else:
+            out = None
+        code, o = _dtype_code(x.dtype), _op_code(op)
+        return self._work(
+            lambda w: _lib.braid_reduce_async(_ptr(x), _ptr(out), x.size, code, o, int(root), self.handle,
+                                              None, w),
+            out, (x, out))
+
+    def all_to_all_async(self, x, out=None):
+        """Queues an all-to-all: ``x`` and ``out`` (allocated if None) hold ``size`` equal blocks; block j
+        of ``x`` goes to rank j, and block p of ``out`` comes from rank p."""
+        _array(x, "x")
+        if x.size % self.size:
+            raise ValueError(f"braid: all_to_all_async: {x.size} elements do not split into {self.size} blocks")
+        if out is None:
+            out = np.empty_like(x)
+        _array(out, "out", writeable=True)
+        _same_kind(x, out, "all_to_all_async")
+        if out.size != x.size:
+            raise ValueError(f"braid: all_to_all_async: out has {out.size} elements, x {x.size}")
+        code = _dtype_code(x.dtype)
+        return self._work(
+            lambda w: _lib.braid_all_to_all_async(_ptr(x), _ptr(out), x.size // self.size, code, self.handle,
+                                                  None, w),
+            out, (x, out))
+
+    def all_to_all_v_async(self, x, send_counts, recv_counts, out=None, send_displs=None, recv_displs=None):
+        """Queues an all-to-all of blocks of any size (``MPI_Alltoallv``): ``send_counts[j]`` elements of
+        ``x`` (at ``send_displs[j]``, default packed in rank order) go to rank j, and rank p's block lands
+        in ``recv_counts[p]`` elements of ``out`` (at ``recv_displs[p]``; ``out`` allocated if None). Counts
+        must agree pairwise, or the collective fails on both ranks with :class:`MismatchError`."""
+        _array(x, "x")
+        n = self.size
+        send_counts, recv_counts = _counts(send_counts, n, "send_counts"), _counts(recv_counts, n, "recv_counts")
+        send_displs = _displs(send_displs, send_counts, "send_displs")
+        recv_displs = _displs(recv_displs, recv_counts, "recv_displs")
+        if out is None:
+            out = np.empty(max((d + c for d, c in zip(recv_displs, recv_counts)), default=0), dtype=x.dtype)
+        _array(out, "out", writeable=True)
+        _same_kind(x, out, "all_to_all_v_async")
+        arrays = [(ctypes.c_size_t * n)(*v) for v in (send_counts, send_displs, recv_counts, recv_displs)]
+        code = _dtype_code(x.dtype)
+        return self._work(
+            lambda w: _lib.braid_all_to_all_v_async(_ptr(x), x.size, arrays[0], arrays[1], _ptr(out), out.size,
+                                                    arrays[2], arrays[3], code, self.handle, None, w),
+            out, (x, out, arrays))
+
     def barrier_async(self):
         return self._work(lambda w: _lib.braid_barrier_async(self.handle, None, w), None, ())
+
+
+def _counts(v, n, name):
+    try:
+        v = [operator.index(c) for c in v]
+    except TypeError:
+        raise InvalidArgumentError(f"braid: {name} must be integers", 1) from None
+    if len(v) != n or any(c < 0 for c in v):
+        raise InvalidArgumentError(f"braid: {name} must be {n} non-negative integers, one per rank", 1)
+    return v
+
+
+def _displs(v, counts, name):
+    if v is None:
+        out, at = [], 0
+        for c in counts:
+            out.append(at)
+            at += c
+        return out
+    return _counts(v, len(counts), name)

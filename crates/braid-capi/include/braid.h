@@ -244,6 +244,12 @@ typedef struct braid_compress_stats {
 } braid_compress_stats;
 
 /**
+ * Called once when a collective completes, with `user_data` and the collective's result. On failure
+ * `braid_get_last_error_message()` on the calling thread gives the message while the callback runs.
+ */
+typedef void (*braid_work_callback)(void *user_data, enum braid_result result);
+
+/**
  * `int8_t`.
  */
 #define BRAID_INT8 0
@@ -767,6 +773,82 @@ enum braid_result braid_broadcast_async(const void *sendbuf,
                                         struct braid_work **out);
 
 /**
+ * Queues a reduce-scatter on stream 0, without copying: `sendbuf` holds `nranks · recvcount` elements
+ * and rank r's `recvbuf` (`recvcount` elements) gets the reduction of block r. In place when `recvbuf ==
+ * sendbuf + rank · recvcount`.
+ *
+ * # Safety
+ * As `braid_all_reduce_async`, with `sendbuf` readable for `nranks · recvcount` elements.
+ */
+enum braid_result braid_reduce_scatter_async(const void *sendbuf,
+                                             void *recvbuf,
+                                             size_t recvcount,
+                                             braid_dtype dtype,
+                                             braid_redop op,
+                                             struct braid_comm *comm,
+                                             void *stream,
+                                             struct braid_work **out);
+
+/**
+ * Queues a reduce of `count` elements from every rank's `sendbuf` into `root`'s `recvbuf` on stream 0,
+ * without copying. `recvbuf` is written on the root only (NULL elsewhere is fine); in place when
+ * `sendbuf == recvbuf`.
+ *
+ * # Safety
+ * As `braid_all_reduce_async` (`recvbuf` is used on the root only).
+ */
+enum braid_result braid_reduce_async(const void *sendbuf,
+                                     void *recvbuf,
+                                     size_t count,
+                                     braid_dtype dtype,
+                                     braid_redop op,
+                                     int root,
+                                     struct braid_comm *comm,
+                                     void *stream,
+                                     struct braid_work **out);
+
+/**
+ * Queues an all-to-all on stream 0, without copying: `sendbuf` and `recvbuf` each hold `nranks`
+ * blocks of `count` elements; this rank's send block j goes to rank j, and receive block p is what rank
+ * p sent to this rank. The buffers must not overlap.
+ *
+ * # Safety
+ * As `braid_all_reduce_async`, with both buffers valid for `nranks · count` elements.
+ */
+enum braid_result braid_all_to_all_async(const void *sendbuf,
+                                         void *recvbuf,
+                                         size_t count,
+                                         braid_dtype dtype,
+                                         struct braid_comm *comm,
+                                         void *stream,
+                                         struct braid_work **out);
+
+/**
+ * Queues an all-to-all whose blocks differ in size (MPI's `MPI_Alltoallv`) on stream 0, without
+ * copying: `sendcounts[j]` elements at `sdispls[j]` of `sendbuf` go to rank j, and what rank p sends
+ * here lands in `recvcounts[p]` elements at `rdispls[p]` of `recvbuf`. Counts and displacements are in
+ * elements; `sendbuf` holds `sendlen` elements and `recvbuf` `recvlen`, and they must not overlap. The
+ * counts must agree pairwise (rank i's `sendcounts[j]` is rank j's `recvcounts[i]`): a block of another
+ * size fails the collective with `BRAID_MISMATCH` on both ranks.
+ *
+ * # Safety
+ * As `braid_all_reduce_async`, with `sendbuf` readable for `sendlen` elements and `recvbuf` writable
+ * for `recvlen`; the four arrays are readable for `nranks` elements each.
+ */
+enum braid_result braid_all_to_all_v_async(const void *sendbuf,
+                                           size_t sendlen,
+                                           const size_t *sendcounts,
+                                           const size_t *sdispls,
+                                           void *recvbuf,
+                                           size_t recvlen,
+                                           const size_t *recvcounts,
+                                           const size_t *rdispls,
+                                           braid_dtype dtype,
+                                           struct braid_comm *comm,
+                                           void *stream,
+                                           struct braid_work **out);
+
+/**
  * Queues a barrier.
  *
  * # Safety
@@ -784,6 +866,20 @@ enum braid_result braid_barrier_async(struct braid_comm *comm,
  * None beyond passing a handle value (and the receive buffer's contract from the issuing call).
  */
 enum braid_result braid_work_wait(struct braid_work *work);
+
+/**
+ * Calls `callback(user_data, result)` once the work completes: at once, on this thread, if it
+ * already has; otherwise on the thread that completes it (braid's progress thread), so the callback
+ * must return promptly and must not wait for braid work itself. The work's result stays available to
+ * `braid_work_wait`/`braid_work_test` (which then return at once), and the handle must still be freed. One
+ * callback per handle: a second call is `BRAID_INVALID_ARGUMENT` and changes nothing.
+ *
+ * # Safety
+ * `callback` may be called on another thread with `user_data`, which must stay valid until then.
+ */
+enum braid_result braid_work_on_complete(struct braid_work *work,
+                                         braid_work_callback callback,
+                                         void *user_data);
 
 /**
  * Writes 1 to `*done` when the work has completed (the receive buffer then holds its result, and the

@@ -7,6 +7,7 @@
 //! untouched until the work is done).
 
 use std::marker::PhantomData;
+use std::ops::Range;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,7 +17,7 @@ use parking_lot::Mutex;
 use tracing::error;
 
 use crate::comm::Communicator;
-use crate::exec::{Kind, Op};
+use crate::exec::{Blocks, Kind, Op};
 use crate::streams::{Priority, StreamEvent, Task, Work};
 
 impl Communicator {
@@ -150,6 +151,193 @@ impl Communicator {
                 recv,
                 len,
             )
+        };
+        self.submit_on(stream, op, Box::new(()))
+    }
+
+    /// Enqueues a reduce-scatter on `stream`, without copying: `send` holds `world` blocks of `len`
+    /// bytes and rank `r`'s `recv` (`len` bytes) gets the reduction of block `r`. In place when `recv`
+    /// is this rank's block of `send`.
+    ///
+    /// # Safety
+    /// As [`Communicator::all_reduce_raw_async`], with `send` valid for `world × len` bytes and `recv`
+    /// for `len`; `recv` is this rank's block of `send` or apart from it.
+    pub unsafe fn reduce_scatter_raw_async(
+        &self,
+        stream: usize,
+        send: *const u8,
+        recv: *mut u8,
+        len: usize,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<Work<()>, Error> {
+        let count = self.elems(len, dtype, "receive")?;
+        let total = len
+            .checked_mul(self.inner.world)
+            .ok_or_else(|| Error::invalid("reduce_scatter: world × receive length overflows"))?;
+        // SAFETY: the caller's contract is the op's.
+        let op = unsafe {
+            Op::new(
+                Kind::ReduceScatter,
+                dtype,
+                op,
+                count,
+                send,
+                total,
+                recv,
+                len,
+            )
+        };
+        self.submit_on(stream, op, Box::new(()))
+    }
+
+    /// Enqueues a reduce of `len` bytes from every rank's `send` into `root`'s `recv` on `stream`,
+    /// without copying. Off the root `recv` is not touched (pass `None`).
+    ///
+    /// # Safety
+    /// As [`Communicator::all_reduce_raw_async`]; on the root `recv` is `Some`, valid for `len` bytes.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn reduce_raw_async(
+        &self,
+        stream: usize,
+        send: *const u8,
+        recv: Option<*mut u8>,
+        len: usize,
+        dtype: DType,
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<Work<()>, Error> {
+        self.check_root(root)?;
+        let count = self.elems(len, dtype, "send")?;
+        let (recv, recv_len) = match recv {
+            Some(r) if self.inner.rank == root => (r, len),
+            None if self.inner.rank != root => (send as *mut u8, 0),
+            _ => {
+                return Err(Error::invalid(format!(
+                    "reduce: a receive buffer is given on the root {root} only (this is rank {})",
+                    self.inner.rank
+                )))
+            }
+        };
+        // SAFETY: the caller's contract is the op's; off the root the send buffer is only read.
+        let op = unsafe {
+            Op::new(
+                Kind::Reduce { root },
+                dtype,
+                op,
+                count,
+                send,
+                len,
+                recv,
+                recv_len,
+            )
+        };
+        self.submit_on(stream, op, Box::new(()))
+    }
+
+    /// Enqueues an all-to-all on `stream`, without copying: `send` and `recv` each hold `world` blocks
+    /// of `block` bytes; this rank's send block `j` goes to rank `j`, and receive block `p` is what rank
+    /// `p` sent here.
+    ///
+    /// # Safety
+    /// As [`Communicator::all_reduce_raw_async`], with both buffers valid for `world × block` bytes
+    /// and apart.
+    pub unsafe fn all_to_all_raw_async(
+        &self,
+        stream: usize,
+        send: *const u8,
+        recv: *mut u8,
+        block: usize,
+        dtype: DType,
+    ) -> Result<Work<()>, Error> {
+        let count = self.elems(block, dtype, "block")?;
+        let total = block
+            .checked_mul(self.inner.world)
+            .ok_or_else(|| Error::invalid("all_to_all: world × block length overflows"))?;
+        // SAFETY: the caller's contract is the op's.
+        let op = unsafe {
+            Op::new(
+                Kind::AllToAll,
+                dtype,
+                ReduceOp::Sum,
+                count,
+                send,
+                total,
+                recv,
+                total,
+            )
+        };
+        self.submit_on(stream, op, Box::new(()))
+    }
+
+    /// Enqueues an all-to-all whose blocks differ in size on `stream`, without copying: `send[j]` (a
+    /// range of elements of `send_buf`) goes to rank `j`, and what rank `p` sends here lands in
+    /// `recv[p]` of `recv_buf`. The sizes must agree pairwise (this rank's `send[j]` is as long as rank
+    /// `j`'s `recv[me]`): a block of another size fails the collective on both ranks. This rank's own
+    /// block is copied, so `send[me]` and `recv[me]` have the same length.
+    ///
+    /// # Safety
+    /// As [`Communicator::all_reduce_raw_async`], with `send_buf` valid for `send_len` bytes, `recv_buf`
+    /// for `recv_len`, and the two apart.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn all_to_all_v_raw_async(
+        &self,
+        stream: usize,
+        send_buf: *const u8,
+        send_len: usize,
+        send: Vec<Range<usize>>,
+        recv_buf: *mut u8,
+        recv_len: usize,
+        recv: Vec<Range<usize>>,
+        dtype: DType,
+    ) -> Result<Work<()>, Error> {
+        let (world, me) = (self.inner.world, self.inner.rank);
+        let send_elems = self.elems(send_len, dtype, "send")?;
+        let recv_elems = self.elems(recv_len, dtype, "receive")?;
+        if send.len() != world || recv.len() != world {
+            return Err(Error::invalid(format!(
+                "all_to_all_v: {} send and {} receive blocks for {world} ranks (one each per rank)",
+                send.len(),
+                recv.len()
+            )));
+        }
+        let outside = |blocks: &[Range<usize>], len: usize| {
+            blocks.iter().position(|r| r.start > r.end || r.end > len)
+        };
+        if let Some(j) = outside(&send, send_elems) {
+            return Err(Error::invalid(format!(
+                "all_to_all_v: send block {j} ({:?}) does not lie within the send buffer's {send_elems} elements",
+                send[j]
+            )));
+        }
+        if let Some(p) = outside(&recv, recv_elems) {
+            return Err(Error::invalid(format!(
+                "all_to_all_v: receive block {p} ({:?}) does not lie within the receive buffer's {recv_elems} elements",
+                recv[p]
+            )));
+        }
+        if send[me].len() != recv[me].len() {
+            return Err(Error::invalid(format!(
+                "all_to_all_v: this rank's own block is {} elements to send and {} to receive",
+                send[me].len(),
+                recv[me].len()
+            )));
+        }
+        // The ranks' totals differ: the op's count (compared across ranks by the debug checks) is 0,
+        // and every message's length is checked on arrival instead.
+        // SAFETY: the caller's contract is the op's; every block lies within its buffer (checked).
+        let op = unsafe {
+            Op::new(
+                Kind::AllToAll,
+                dtype,
+                ReduceOp::Sum,
+                0,
+                send_buf,
+                send_len,
+                recv_buf,
+                recv_len,
+            )
+            .with_blocks(Blocks { send, recv })
         };
         self.submit_on(stream, op, Box::new(()))
     }

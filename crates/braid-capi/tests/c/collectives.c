@@ -1,6 +1,7 @@
 /* Every collective of braid.h against exact expected values: all dtypes and ops for all-reduce, out of
  * place and in place, unaligned buffers, count 0 with NULL buffers, every root for broadcast and reduce,
  * and the asynchronous variants. Run as every rank of `braid run -n N`. */
+#include <sched.h>
 #include <stdint.h>
 
 #include "check.h"
@@ -294,6 +295,121 @@ static void async_variants(braid_comm *comm, int rank) {
   g_checks += 4;
 }
 
+/* A completion callback: counts its calls and keeps the last result, from whichever thread. */
+struct completion {
+  int calls;
+  int result;
+};
+
+static void on_done(void *user, braid_result result) {
+  struct completion *c = user;
+  __atomic_store_n(&c->result, (int)result, __ATOMIC_RELAXED);
+  __atomic_add_fetch(&c->calls, 1, __ATOMIC_RELEASE);
+}
+
+static void async_more(braid_comm *comm, int rank) {
+  size_t n = 1031;
+  braid_work *w;
+  /* Reduce-scatter: block r of every rank's input, reduced, on rank r; out of place and in place. */
+  int32_t *in = malloc(n * (size_t)g_world * 4), *out = malloc(n * 4);
+  for (size_t i = 0; i < n * (size_t)g_world; i++) in[i] = (int32_t)(i * 7 + (size_t)rank);
+  CHECK(braid_reduce_scatter_async(in, out, n, BRAID_INT32, BRAID_SUM, comm, NULL, &w));
+  CHECK(braid_work_wait(w));
+  CHECK(braid_work_free(w));
+  for (size_t i = 0; i < n; i++) {
+    int64_t want = 0;
+    for (int r = 0; r < g_world; r++) want += (int64_t)(((size_t)rank * n + i) * 7 + (size_t)r);
+    EXPECT(out[i] == (int32_t)want, "reduce_scatter_async: element %zu is %d, expected %lld", i, out[i],
+           (long long)want);
+  }
+  CHECK(braid_reduce_scatter_async(in, in + (size_t)rank * n, n, BRAID_INT32, BRAID_SUM, comm, NULL, &w));
+  CHECK(braid_work_wait(w));
+  CHECK(braid_work_free(w));
+  EXPECT(memcmp(in + (size_t)rank * n, out, n * 4) == 0, "reduce_scatter_async in place differs");
+  /* Reduce to every root; NULL recvbuf off the root. */
+  for (int root = 0; root < g_world; root++) {
+    fill(BRAID_INT32, BRAID_MAX, in, n, rank);
+    memset(out, 0, n * 4);
+    CHECK(braid_reduce_async(in, rank == root ? out : NULL, n, BRAID_INT32, BRAID_MAX, root, comm, NULL, &w));
+    CHECK(braid_work_wait(w));
+    CHECK(braid_work_free(w));
+    if (rank == root) expect_reduced("reduce_async", BRAID_INT32, BRAID_MAX, out, n);
+    expect_input("reduce_async leaves sendbuf alone", BRAID_INT32, BRAID_MAX, in, n, rank);
+  }
+  /* All-to-all: block j of rank r holds r * 1000 + j * 10 + k. */
+  size_t b = 5;
+  int64_t *a = malloc(b * (size_t)g_world * 8), *c = malloc(b * (size_t)g_world * 8);
+  for (int j = 0; j < g_world; j++)
+    for (size_t k = 0; k < b; k++) a[(size_t)j * b + k] = rank * 1000 + j * 10 + (int64_t)k;
+  CHECK(braid_all_to_all_async(a, c, b, BRAID_INT64, comm, NULL, &w));
+  CHECK(braid_work_wait(w));
+  CHECK(braid_work_free(w));
+  for (int p = 0; p < g_world; p++)
+    for (size_t k = 0; k < b; k++)
+      EXPECT(c[(size_t)p * b + k] == p * 1000 + rank * 10 + (int64_t)k, "all_to_all_async: block %d element %zu is %lld",
+             p, k, (long long)c[(size_t)p * b + k]);
+  /* All-to-all of uneven blocks: rank r sends r + j + 1 elements to rank j, in reverse rank order. */
+  size_t scount[8], sdispl[8], rcount[8], rdispl[8], slen = 0, rlen = 0;
+  for (int j = g_world - 1; j >= 0; j--) {
+    scount[j] = (size_t)(rank + j + 1);
+    sdispl[j] = slen;
+    slen += scount[j];
+  }
+  for (int p = 0; p < g_world; p++) {
+    rcount[p] = (size_t)(p + rank + 1);
+    rdispl[p] = rlen;
+    rlen += rcount[p];
+  }
+  uint16_t *vs = malloc(slen * 2), *vr = malloc(rlen * 2);
+  for (int j = 0; j < g_world; j++)
+    for (size_t k = 0; k < scount[j]; k++) vs[sdispl[j] + k] = (uint16_t)(rank * 100 + j * 10 + (int)k);
+  CHECK(braid_all_to_all_v_async(vs, slen, scount, sdispl, vr, rlen, rcount, rdispl, BRAID_FLOAT16, comm, NULL, &w));
+  CHECK(braid_work_wait(w));
+  CHECK(braid_work_free(w));
+  for (int p = 0; p < g_world; p++)
+    for (size_t k = 0; k < rcount[p]; k++)
+      EXPECT(vr[rdispl[p] + k] == (uint16_t)(p * 100 + rank * 10 + (int)k),
+             "all_to_all_v_async: from rank %d element %zu is %u", p, k, vr[rdispl[p] + k]);
+  /* A block past the buffer is refused before anything runs. */
+  rcount[0] = rlen + 1;
+  EXPECT(braid_all_to_all_v_async(vs, slen, scount, sdispl, vr, rlen, rcount, rdispl, BRAID_FLOAT16, comm, NULL, &w) ==
+             BRAID_INVALID_ARGUMENT,
+         "an all_to_all_v block past the receive buffer was not refused");
+  /* Completion callbacks: registered before the op completes (called on braid's thread), after it
+   * completed (called at once, here), and only one per work. */
+  struct completion before = {0, -1}, after = {0, -1}, second = {0, -1};
+  float *f = malloc(n * sizeof(float));
+  fill(BRAID_FLOAT32, BRAID_SUM, f, n, rank);
+  CHECK(braid_all_reduce_async(f, f, n, BRAID_FLOAT32, BRAID_SUM, comm, NULL, &w));
+  CHECK(braid_work_on_complete(w, on_done, &before));
+  EXPECT(braid_work_on_complete(w, on_done, &second) == BRAID_INVALID_ARGUMENT,
+         "a second completion callback was not refused");
+  EXPECT(braid_work_on_complete(w, NULL, &second) == BRAID_INVALID_ARGUMENT, "a NULL callback was not refused");
+  for (long spins = 0; __atomic_load_n(&before.calls, __ATOMIC_ACQUIRE) == 0; spins++) {
+    EXPECT(spins < 2000000000L, "the completion callback never came");
+    sched_yield();
+  }
+  EXPECT(before.result == BRAID_SUCCESS, "the completion callback got %d", before.result);
+  expect_reduced("all_reduce_async with a callback", BRAID_FLOAT32, BRAID_SUM, f, n);
+  CHECK(braid_work_wait(w));
+  CHECK(braid_work_free(w));
+  CHECK(braid_barrier_async(comm, NULL, &w));
+  CHECK(braid_work_wait(w));
+  CHECK(braid_work_on_complete(w, on_done, &after));
+  EXPECT(after.calls == 1 && after.result == BRAID_SUCCESS, "a callback on completed work: %d calls, result %d",
+         after.calls, after.result);
+  CHECK(braid_work_free(w));
+  EXPECT(before.calls == 1 && second.calls == 0, "callbacks called %d and %d times", before.calls, second.calls);
+  free(f);
+  free(vs);
+  free(vr);
+  free(a);
+  free(c);
+  free(in);
+  free(out);
+  g_checks += 8;
+}
+
 int main(void) {
   const char *root = getenv("BRAID_ROOT"), *secret = getenv("BRAID_SECRET");
   const char *rank_s = getenv("BRAID_RANK"), *world_s = getenv("BRAID_WORLD_SIZE");
@@ -327,6 +443,7 @@ int main(void) {
   all_gather(comm, g_rank);
   broadcast_and_reduce(comm, g_rank);
   async_variants(comm, g_rank);
+  async_more(comm, g_rank);
   CHECK(braid_barrier(comm, NULL));
 
   braid_result async_rc = BRAID_INTERNAL;

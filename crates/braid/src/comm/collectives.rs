@@ -35,7 +35,7 @@ impl Communicator {
         e
     }
 
-    pub(super) fn check_root(&self, root: usize) -> Result<(), Error> {
+    pub(crate) fn check_root(&self, root: usize) -> Result<(), Error> {
         if root >= self.inner.world {
             return Err(Error::invalid(format!(
                 "root {root} is out of range for world size {}",

@@ -1,0 +1,585 @@
+"""braid as a ``torch.distributed`` backend: ``import braid.torch`` registers ``backend="braid"``.
+
+    import torch.distributed as dist
+    import braid.torch  # noqa: F401  (registers the backend)
+
+    dist.init_process_group("braid")            # under torchrun, or with init_method="tcp://..."/"file://..."
+    dist.all_reduce(t)                           # every torch.distributed collective on CPU tensors
+    model = torch.nn.parallel.DistributedDataParallel(model)   # DDP, with no gloo anywhere
+
+Rendezvous goes through the store torch hands the backend (torchrun's, ``env://``, ``tcp://``,
+``file://``): rank 0 of each group makes a braid unique id, listening on an ephemeral port of its own,
+and publishes it in the group's store; braid never binds torch's port. Subgroups (``new_group``) are
+communicators of their own.
+
+Every call is asynchronous: it queues the collective on braid's progress thread and returns a Work
+whose ``get_future()`` is completed by braid's completion callback (no polling thread). Contiguous
+tensors are used in place, without copies; a non-contiguous one goes through a contiguous copy.
+
+Types: float32, float64, float16, bfloat16, int8, uint8, int32, int64, uint32, uint64 and bool (as
+uint8; its reductions: max, min). complex64/complex128 travel as pairs of floats (sum, avg; and every
+collective that moves data without reducing it). Reductions: sum, avg, product, min, max.
+
+Not (yet) supported, each raising a ``RuntimeError`` that says so: point-to-point ``send``/``recv``,
+the bitwise reductions (``BAND``, ``BOR``, ``BXOR``), ``PREMUL_SUM``, int16, and CUDA tensors.
+"""
+
+import atexit
+import datetime
+import ipaddress
+import os
+import socket
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
+from torch._C._distributed_c10d import Work as _C10dWork
+from torch.futures import Future
+
+import braid
+from braid import _check, _lib
+
+__all__ = ["BraidBackend", "NAME"]
+
+NAME = "braid"
+
+# torch dtype -> (braid dtype code, element count multiplier). Complex numbers travel as float pairs.
+_DTYPES = {
+    torch.int8: (0, 1),
+    torch.uint8: (1, 1),
+    torch.bool: (1, 1),
+    torch.int32: (2, 1),
+    torch.int64: (4, 1),
+    torch.float16: (6, 1),
+    torch.float32: (7, 1),
+    torch.float64: (8, 1),
+    torch.bfloat16: (9, 1),
+    torch.complex64: (7, 2),
+    torch.complex128: (8, 2),
+}
+for _name, _code in (("uint32", 3), ("uint64", 5)):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = (_code, 1)
+
+_SUM, _PROD, _MAX, _MIN, _AVG = 0, 1, 2, 3, 4
+
+
+def _dtype(t, what):
+    try:
+        return _DTYPES[t.dtype]
+    except KeyError:
+        raise RuntimeError(f"braid: {what}: tensors of {t.dtype} are not supported") from None
+
+
+def _redop(op, t, what):
+    """The braid reduction for torch's ReduceOp on tensor ``t``."""
+    R = dist.ReduceOp
+    table = {R.SUM: _SUM, R.AVG: _AVG, R.PRODUCT: _PROD, R.MIN: _MIN, R.MAX: _MAX}
+    code = None
+    for k, v in table.items():
+        if op == k:
+            code = v
+            break
+    if code is None:
+        raise RuntimeError(f"braid: {what}: the reduction {op} is not supported (sum, avg, product, min, max)")
+    if t.dtype == torch.bool and code not in (_MIN, _MAX):
+        raise RuntimeError(f"braid: {what}: bool tensors reduce with min or max only")
+    if t.is_complex() and code not in (_SUM, _AVG):
+        raise RuntimeError(f"braid: {what}: complex tensors reduce with sum or avg only")
+    return code
+
+
+def _cpu_only(tensors, what):
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise RuntimeError(f"braid: {what}: {t.device.type} tensors are not supported yet (CPU tensors only)")
+
+
+class _Buffer:
+    """A tensor as braid sees it: its data pointer, element count and dtype code; a contiguous copy of
+    a non-contiguous tensor (copied back by ``finish`` where the collective writes it)."""
+
+    def __init__(self, t, what, writes):
+        self.tensor = t
+        self.code, mult = _dtype(t, what)
+        self.work = t if t.is_contiguous() else t.contiguous()
+        self.count = self.work.numel() * mult
+        self.writes = writes and self.work is not t
+
+    @property
+    def ptr(self):
+        return self.work.data_ptr() if self.count else None
+
+    def finish(self):
+        if self.writes:
+            self.tensor.copy_(self.work)
+
+
+class _Work(_C10dWork):
+    """One braid collective as torch sees it. ``wait()`` returns once braid's work has completed and
+    its results are in the caller's tensors; ``get_future()`` is completed by braid's callback."""
+
+    def __init__(self, bw, result, finish):
+        super().__init__()
+        self._bw = bw
+        self._future = Future()
+        self._done = threading.Event()
+        self._error = None
+
+        def completed(error):
+            try:
+                if error is None and finish is not None:
+                    finish()
+            except BaseException as e:
+                error = e
+            self._error = error
+            self._done.set()
+            if error is None:
+                self._future.set_result(result)
+            else:
+                self._future.set_exception(error)
+
+        bw.on_complete(completed)
+
+    def wait(self, timeout=None):
+        # braid's wait is bounded by the communicator's timeout and raises braid's error.
+        self._bw.wait()
+        # The callback may still be running (copying results back): it follows braid's completion.
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self):
+        return self._done.is_set()
+
+    def is_success(self):
+        return self._done.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def get_future(self):
+        return self._future
+
+    def source_rank(self):
+        return -1
+
+
+def _advertised_host():
+    """An address of this host the group's other ranks can reach: the one this host uses towards the
+    store's host (MASTER_ADDR), or the loopback address when that is this host or unknown.
+    ``BRAID_LISTEN_HOST`` overrides it."""
+    host = os.environ.get("BRAID_LISTEN_HOST")
+    if host:
+        return host
+    master = os.environ.get("MASTER_ADDR")
+    if not master:
+        return "127.0.0.1"
+    try:
+        if ipaddress.ip_address(socket.gethostbyname(master)).is_loopback:
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+_live = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all():
+    # Before the interpreter goes: no completion callback may call into it afterwards.
+    for b in list(_live):
+        b._close()
+
+
+class BraidBackend(_C10dBackend):
+    """A torch.distributed backend over one braid communicator (one per process group)."""
+
+    def __init__(self, store, rank, size, timeout):
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        timeout_ms = max(1, int(timeout.total_seconds() * 1000)) if timeout else None
+        key = "braid/unique_id"
+        if rank == 0:
+            uid = braid.UniqueId.new(listen=f"{_advertised_host()}:0")
+            store.set(key, uid.text)
+        else:
+            uid = braid.UniqueId(store.get(key).decode())
+        self._comm = braid.Communicator.init(size, rank, uid, timeout_ms=timeout_ms)
+        _live.add(self)
+
+    # -- torch's introspection -----------------------------------------------------------------------
+
+    def getBackendName(self):
+        return NAME
+
+    def _get_backend_name(self):
+        return NAME
+
+    def name(self):
+        return NAME
+
+    def _close(self):
+        comm, self._comm = getattr(self, "_comm", None), None
+        if comm is not None:
+            comm.close()
+
+    def shutdown(self):
+        self._close()
+
+    def abort(self):
+        if self._comm is not None:
+            self._comm.abort()
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    @property
+    def _h(self):
+        if self._comm is None:
+            raise RuntimeError("braid: the process group was shut down")
+        return self._comm.handle
+
+    def _queue(self, call, result, keep, finish=None):
+        """Issues ``call(out_handle_ptr)`` and wraps its braid work; ``keep`` stays referenced until it
+        completes, ``finish`` runs (on completion, before the future) to copy results back."""
+        import ctypes
+
+        h = ctypes.c_void_p()
+        _check(call(ctypes.byref(h)))
+        return _Work(braid.Work(h, None, keep), result, finish)
+
+    @staticmethod
+    def _finish_all(buffers, extra=None):
+        def finish():
+            for b in buffers:
+                b.finish()
+            if extra is not None:
+                extra()
+
+        return finish
+
+    def _one(self, tensors, what):
+        if len(tensors) != 1:
+            raise RuntimeError(f"braid: {what}: one tensor per call (got {len(tensors)})")
+        _cpu_only(tensors, what)
+        return tensors[0]
+
+    # -- collectives -------------------------------------------------------------------------------
+
+    def allreduce(self, tensors, opts):
+        t = self._one(tensors, "allreduce")
+        op = _redop(opts.reduceOp, t, "allreduce")
+        b = _Buffer(t, "allreduce", writes=True)
+        return self._queue(
+            lambda w: _lib.braid_all_reduce_async(b.ptr, b.ptr, b.count, b.code, op, self._h, None, w),
+            tensors, (b,), self._finish_all([b]))
+
+    def allreduce_coalesced(self, tensors, opts):
+        _cpu_only(tensors, "allreduce_coalesced")
+        if not tensors:
+            return self.barrier(None)
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) != 1:
+            raise RuntimeError("braid: allreduce_coalesced: the tensors must share one dtype")
+        op = _redop(opts.reduceOp, tensors[0], "allreduce_coalesced")
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        b = _Buffer(flat, "allreduce_coalesced", writes=False)
+
+        def unpack():
+            at = 0
+            for t in tensors:
+                n = t.numel()
+                t.copy_(flat[at:at + n].view_as(t))
+                at += n
+
+        return self._queue(
+            lambda w: _lib.braid_all_reduce_async(b.ptr, b.ptr, b.count, b.code, op, self._h, None, w),
+            tensors, (b,), unpack)
+
+    def broadcast(self, tensors, opts):
+        t = self._one(tensors, "broadcast")
+        root = opts.rootRank
+        b = _Buffer(t, "broadcast", writes=True)
+        return self._queue(
+            lambda w: _lib.braid_broadcast_async(b.ptr, b.ptr, b.count, b.code, root, self._h, None, w),
+            tensors, (b,), self._finish_all([b]))
+
+    def reduce(self, tensors, opts):
+        t = self._one(tensors, "reduce")
+        op = _redop(opts.reduceOp, t, "reduce")
+        root = opts.rootRank
+        b = _Buffer(t, "reduce", writes=self._rank == root)
+        recv = b.ptr if self._rank == root else None
+        return self._queue(
+            lambda w: _lib.braid_reduce_async(b.ptr, recv, b.count, b.code, op, root, self._h, None, w),
+            tensors, (b,), self._finish_all([b]))
+
+    def _allgather_base(self, output, input, opts=None):
+        _cpu_only([output, input], "all_gather_into_tensor")
+        _same_dtype([output, input], "all_gather_into_tensor")
+        if output.numel() != input.numel() * self._size:
+            raise RuntimeError(
+                f"braid: all_gather_into_tensor: the output has {output.numel()} elements, "
+                f"{self._size} × {input.numel()} expected")
+        i = _Buffer(input, "all_gather_into_tensor", writes=False)
+        o = _Buffer(output, "all_gather_into_tensor", writes=True)
+        return self._queue(
+            lambda w: _lib.braid_all_gather_async(i.ptr, o.ptr, i.count, i.code, self._h, None, w),
+            [output], (i, o), self._finish_all([o]))
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        inp = self._one(input_tensors, "allgather")
+        if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
+            raise RuntimeError(f"braid: allgather: one list of {self._size} output tensors expected")
+        outs = output_tensors[0]
+        _cpu_only(outs, "allgather")
+        _same_dtype([inp, *outs], "allgather")
+        for o in outs:
+            if o.numel() != inp.numel():
+                raise RuntimeError("braid: allgather: every output tensor must have the input's size")
+        flat = torch.empty((self._size, inp.numel()), dtype=inp.dtype)
+        i = _Buffer(inp, "allgather", writes=False)
+        o = _Buffer(flat, "allgather", writes=False)
+
+        def unpack():
+            for r, t in enumerate(outs):
+                t.copy_(flat[r].view_as(t))
+
+        return self._queue(
+            lambda w: _lib.braid_all_gather_async(i.ptr, o.ptr, i.count, i.code, self._h, None, w),
+            output_tensors, (i, o), unpack)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        if len(outputs) != len(inputs):
+            raise RuntimeError("braid: allgather_into_tensor_coalesced: as many outputs as inputs")
+        works = [self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _All(works, outputs)
+
+    def _reduce_scatter_base(self, output, input, opts):
+        _cpu_only([output, input], "reduce_scatter_tensor")
+        _same_dtype([output, input], "reduce_scatter_tensor")
+        op = _redop(opts.reduceOp, input, "reduce_scatter_tensor")
+        if input.numel() != output.numel() * self._size:
+            raise RuntimeError(
+                f"braid: reduce_scatter_tensor: the input has {input.numel()} elements, "
+                f"{self._size} × {output.numel()} expected")
+        i = _Buffer(input, "reduce_scatter_tensor", writes=False)
+        o = _Buffer(output, "reduce_scatter_tensor", writes=True)
+        return self._queue(
+            lambda w: _lib.braid_reduce_scatter_async(i.ptr, o.ptr, o.count, o.code, op, self._h, None, w),
+            [output], (i, o), self._finish_all([o]))
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts):
+        out = self._one(output_tensors, "reduce_scatter")
+        if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
+            raise RuntimeError(f"braid: reduce_scatter: one list of {self._size} input tensors expected")
+        ins = input_tensors[0]
+        _cpu_only(ins, "reduce_scatter")
+        _same_dtype([out, *ins], "reduce_scatter")
+        for t in ins:
+            if t.numel() != out.numel():
+                raise RuntimeError("braid: reduce_scatter: every input tensor must have the output's size")
+        op = _redop(opts.reduceOp, out, "reduce_scatter")
+        flat = torch.cat([t.reshape(-1) for t in ins]) if ins else torch.empty(0, dtype=out.dtype)
+        i = _Buffer(flat, "reduce_scatter", writes=False)
+        o = _Buffer(out, "reduce_scatter", writes=True)
+        return self._queue(
+            lambda w: _lib.braid_reduce_scatter_async(i.ptr, o.ptr, o.count, o.code, op, self._h, None, w),
+            output_tensors, (i, o), self._finish_all([o]))
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
+        if len(outputs) != len(inputs):
+            raise RuntimeError("braid: reduce_scatter_tensor_coalesced: as many outputs as inputs")
+        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _All(works, outputs)
+
+    def _all_to_all_v(self, out, inp, send_counts, recv_counts, what, result, finish=None):
+        """All-to-all of blocks of the given element counts (of ``inp``'s dtype; packed in rank order)."""
+        _cpu_only([out, inp], what)
+        _same_dtype([out, inp], what)
+        i = _Buffer(inp, what, writes=False)
+        o = _Buffer(out, what, writes=True)
+        mult = _DTYPES[inp.dtype][1]
+        n = self._size
+        import ctypes
+
+        arrays = []
+        for counts in (send_counts, recv_counts):
+            counts = [int(c) * mult for c in counts]
+            displs, at = [], 0
+            for c in counts:
+                displs.append(at)
+                at += c
+            arrays += [(ctypes.c_size_t * n)(*counts), (ctypes.c_size_t * n)(*displs)]
+        extra = finish
+        return self._queue(
+            lambda w: _lib.braid_all_to_all_v_async(i.ptr, i.count, arrays[0], arrays[1], o.ptr, o.count,
+                                                    arrays[2], arrays[3], i.code, self._h, None, w),
+            result, (i, o, arrays), self._finish_all([o], extra))
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        n = self._size
+        if not output_split_sizes and not input_split_sizes:
+            if input.numel() % n or output.numel() != input.numel():
+                raise RuntimeError(
+                    f"braid: all_to_all_single: {input.numel()} input and {output.numel()} output elements "
+                    f"do not split into {n} equal blocks")
+            _cpu_only([output, input], "all_to_all_single")
+            _same_dtype([output, input], "all_to_all_single")
+            i = _Buffer(input, "all_to_all_single", writes=False)
+            o = _Buffer(output, "all_to_all_single", writes=True)
+            return self._queue(
+                lambda w: _lib.braid_all_to_all_async(i.ptr, o.ptr, i.count // n, i.code, self._h, None, w),
+                [output], (i, o), self._finish_all([o]))
+        # Splits are along the first dimension; a row has the same number of elements in both.
+        row_in = input[0].numel() if input.dim() and input.shape[0] else 1
+        row_out = output[0].numel() if output.dim() and output.shape[0] else 1
+        ins = list(input_split_sizes) or [input.shape[0] // n] * n
+        outs = list(output_split_sizes) or [output.shape[0] // n] * n
+        if len(ins) != n or len(outs) != n:
+            raise RuntimeError(f"braid: all_to_all_single: split sizes must have {n} entries")
+        if sum(ins) != (input.shape[0] if input.dim() else 0) or sum(outs) != (output.shape[0] if output.dim() else 0):
+            raise RuntimeError("braid: all_to_all_single: the split sizes do not add up to the tensors' first dimension")
+        return self._all_to_all_v(output, input, [c * row_in for c in ins], [c * row_out for c in outs],
+                                  "all_to_all_single", [output])
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        n = self._size
+        if len(output_tensors) != n or len(input_tensors) != n:
+            raise RuntimeError(f"braid: all_to_all: {n} input and {n} output tensors expected")
+        _cpu_only([*output_tensors, *input_tensors], "all_to_all")
+        _same_dtype([*output_tensors, *input_tensors], "all_to_all")
+        dtype = input_tensors[0].dtype
+        flat_in = torch.cat([t.reshape(-1) for t in input_tensors])
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype)
+
+        def unpack():
+            at = 0
+            for t in output_tensors:
+                t.copy_(flat_out[at:at + t.numel()].view_as(t))
+                at += t.numel()
+
+        return self._all_to_all_v(flat_out, flat_in, [t.numel() for t in input_tensors],
+                                  [t.numel() for t in output_tensors], "all_to_all", output_tensors, unpack)
+
+    def gather(self, output_tensors, input_tensors, opts):
+        """Every rank's tensor to the root only (an all-to-all in which only the root receives)."""
+        inp = self._one(input_tensors, "gather")
+        root, n = opts.rootRank, self._size
+        is_root = self._rank == root
+        if is_root:
+            if len(output_tensors) != 1 or len(output_tensors[0]) != n:
+                raise RuntimeError(f"braid: gather: one list of {n} output tensors expected on the root")
+            outs = output_tensors[0]
+            _cpu_only(outs, "gather")
+            _same_dtype([inp, *outs], "gather")
+        elif output_tensors and any(len(o) for o in output_tensors):
+            raise RuntimeError("braid: gather: output tensors are given on the root only")
+        k = inp.numel()
+        flat = torch.empty(n * k if is_root else 0, dtype=inp.dtype)
+        send = [k if j == root else 0 for j in range(n)]
+        recv = [k if is_root else 0 for _ in range(n)]
+
+        def unpack():
+            if is_root:
+                for r, t in enumerate(outs):
+                    t.copy_(flat[r * k:(r + 1) * k].view_as(t))
+
+        return self._all_to_all_v(flat, inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().reshape(-1),
+                                  send, recv, "gather", output_tensors, unpack)
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        """The root's tensor j to rank j (an all-to-all in which only the root sends)."""
+        out = self._one(output_tensors, "scatter")
+        root, n = opts.rootRank, self._size
+        is_root = self._rank == root
+        if is_root:
+            if len(input_tensors) != 1 or len(input_tensors[0]) != n:
+                raise RuntimeError(f"braid: scatter: one list of {n} input tensors expected on the root")
+            ins = input_tensors[0]
+            _cpu_only(ins, "scatter")
+            _same_dtype([out, *ins], "scatter")
+            flat = torch.cat([t.reshape(-1) for t in ins])
+        else:
+            flat = torch.empty(0, dtype=out.dtype)
+        k = out.numel()
+        send = [k if is_root else 0 for _ in range(n)]
+        recv = [k if j == root else 0 for j in range(n)]
+        return self._all_to_all_v(out, flat, send, recv, "scatter", output_tensors)
+
+    def gather_single(self, output, input, opts):
+        """Every rank's tensor to the root's ``output`` (``size`` × the input, in rank order)."""
+        root, n = opts.rootRank, self._size
+        is_root = self._rank == root
+        _cpu_only([output, input], "gather_into_tensor")
+        _same_dtype([output, input], "gather_into_tensor")
+        k = input.numel()
+        if is_root and output.numel() != n * k:
+            raise RuntimeError(
+                f"braid: gather_into_tensor: the output has {output.numel()} elements, {n} × {k} expected")
+        out = output if is_root else torch.empty(0, dtype=input.dtype)
+        send = [k if j == root else 0 for j in range(n)]
+        recv = [k if is_root else 0 for _ in range(n)]
+        return self._all_to_all_v(out, input, send, recv, "gather_into_tensor", [output])
+
+    # torch 2.10 and later call these by their new names; earlier ones by the old.
+    all_gather_single = _allgather_base
+    reduce_scatter_single = _reduce_scatter_base
+    all_to_all_single = alltoall_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def barrier(self, opts=None):
+        return self._queue(lambda w: _lib.braid_barrier_async(self._h, None, w), [], ())
+
+    def monitored_barrier(self, opts=None, wait_all_ranks=False):
+        # braid's barrier is bounded by the timeout and names a rank that did not arrive.
+        return self.barrier(opts).wait()
+
+    def send(self, tensors, dst, tag):
+        raise RuntimeError("braid: point-to-point send/recv is not supported yet")
+
+    def recv(self, tensors, src, tag):
+        raise RuntimeError("braid: point-to-point send/recv is not supported yet")
+
+    def recv_anysource(self, tensors, tag):
+        raise RuntimeError("braid: point-to-point send/recv is not supported yet")
+
+
+def _same_dtype(tensors, what):
+    if len({t.dtype for t in tensors}) > 1:
+        raise RuntimeError(f"braid: {what}: the tensors' dtypes differ")
+
+
+class _All(_C10dWork):
+    """Several works as one (the coalesced calls)."""
+
+    def __init__(self, works, result):
+        super().__init__()
+        self._works = works
+        self._future = torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: result)
+
+    def wait(self, timeout=None):
+        for w in self._works:
+            w.wait()
+        return True
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self._works)
+
+    def get_future(self):
+        return self._future
+
+
+def _create(opts, backend_options=None):
+    timeout = opts.timeout if isinstance(opts.timeout, datetime.timedelta) else None
+    return BraidBackend(opts.store, opts.group_rank, opts.group_size, timeout)
+
+
+dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
