@@ -1,6 +1,7 @@
 //! The Python binding (`python/braid`): its unittest suite as every rank of `braid run -n 2` and `-n 4`,
-//! and the PyTorch DDP hook example. Where python3 or numpy is missing they say why and pass without
-//! running, or fail under `BRAID_REQUIRE_TOOLS=1`.
+//! the PyTorch backend (`braid.torch`: every collective against gloo, DDP) under torchrun and `braid
+//! run`, and the PyTorch DDP hook example. Where python3, numpy or torch is missing they say why and
+//! pass without running, or fail under `BRAID_REQUIRE_TOOLS=1`.
 
 mod support;
 
@@ -71,4 +72,84 @@ fn ddp_hook_example_runs_or_says_torch_is_missing() {
         text.matches("weights identical across ranks: True").count() == 2,
         "{text}"
     );
+}
+
+/// Whether python3 has torch; says why not otherwise (failing under `BRAID_REQUIRE_TOOLS=1`).
+fn python_with_torch() -> bool {
+    if !python_with_numpy() {
+        return false;
+    }
+    if !python_has("torch") {
+        support::unavailable("PyTorch is not installed for python3 (pip install torch)");
+        return false;
+    }
+    true
+}
+
+/// `torchrun --standalone --nproc_per_node n script args...` (torch's launcher on a free port), with
+/// the built library.
+fn torchrun(n: usize, script: &str, args: &[&str]) -> std::process::Output {
+    let (_, libdir) = artifacts();
+    Command::new("python3")
+        .args(["-m", "torch.distributed.run", "--standalone"])
+        .arg(format!("--nproc_per_node={n}"))
+        .arg(workspace().join(script))
+        .args(args)
+        .env("BRAID_LIBRARY", libdir.join("libbraid.so"))
+        .env("BRAID_TIMEOUT_MS", "60000")
+        .env("PYTHONUNBUFFERED", "1")
+        .env_remove("BRAID_RANK")
+        .output()
+        .expect("running torchrun")
+}
+
+fn assert_every_rank(out: &std::process::Output, n: usize, line: &str, what: &str) {
+    let text = show(out);
+    assert!(out.status.success(), "{what}:\n{text}");
+    for r in 0..n {
+        assert!(
+            text.contains(&format!("rank {r}: {line}")),
+            "{what}: rank {r} did not print {line:?}:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn torch_backend_collectives_match_gloo_under_torchrun_and_braid_run() {
+    if !python_with_torch() {
+        return;
+    }
+    for n in [2, 4] {
+        let out = torchrun(n, "python/tests/test_torch.py", &[]);
+        assert_every_rank(&out, n, "torch ok", &format!("torchrun, {n} ranks"));
+    }
+    let script = workspace().join("python/tests/test_torch.py");
+    let out = braid_run(2, &["python3", script.to_str().unwrap()], &[]);
+    assert_every_rank(&out, 2, "torch ok", "braid run, 2 ranks");
+}
+
+#[test]
+fn ddp_with_backend_braid_alone_matches_gloo() {
+    if !python_with_torch() {
+        return;
+    }
+    for n in [2, 4] {
+        let dir = std::env::temp_dir().join(format!("braid-ddp-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let d = dir.to_str().unwrap();
+        // braid first (it saves its parameters), then gloo (which compares its own with them).
+        for backend in ["braid", "gloo"] {
+            let out = torchrun(n, "python/tests/torch_ddp.py", &[backend, d]);
+            let what = format!("DDP with {backend}, {n} ranks");
+            assert_every_rank(&out, n, &format!("ddp {backend} ok"), &what);
+            if backend == "braid" {
+                assert!(
+                    !show(&out).contains("gloo"),
+                    "{what}: gloo was mentioned in a run that must not use it:\n{}",
+                    show(&out)
+                );
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -68,6 +68,16 @@ pub fn run(n: usize, program: &OsString, args: &[OsString], extra_env: &[(String
             return 1;
         }
     };
+    // torch.distributed's variables too, so that `init_process_group` (any backend, braid's included)
+    // works under `braid run` as under torchrun: its store gets a port of its own, never braid's.
+    let torch_port = match TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).and_then(|l| l.local_addr())
+    {
+        Ok(a) => a.port(),
+        Err(e) => {
+            eprintln!("braid run: no free local port for torch's store (MASTER_PORT): {e}");
+            return 1;
+        }
+    };
     // SAFETY: installing an async-signal-safe handler (it only stores to an atomic).
     unsafe {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
@@ -83,6 +93,12 @@ pub fn run(n: usize, program: &OsString, args: &[OsString], extra_env: &[(String
             .env("BRAID_LOCAL_WORLD_SIZE", n.to_string())
             .env("BRAID_ROOT", id.addr().to_string())
             .env("BRAID_SECRET", id.secret_hex())
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", n.to_string())
+            .env("LOCAL_RANK", rank.to_string())
+            .env("LOCAL_WORLD_SIZE", n.to_string())
+            .env("MASTER_ADDR", Ipv4Addr::LOCALHOST.to_string())
+            .env("MASTER_PORT", torch_port.to_string())
             .envs(extra_env.iter().map(|(k, v)| (k, v)))
             .process_group(0);
         if rank == 0 {

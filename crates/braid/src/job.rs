@@ -79,6 +79,19 @@ impl JobEnv {
             lookup("MASTER_PORT"),
         ) {
             (Some(r), _, _) => r,
+            // Under torchrun (TORCHELASTIC_RUN_ID) its agent's store holds MASTER_PORT: braid's root
+            // takes the port after it.
+            (None, Some(a), Some(p)) if lookup("TORCHELASTIC_RUN_ID").is_some() => {
+                let next = num("MASTER_PORT", &p)?
+                    .checked_add(1)
+                    .filter(|q| *q <= usize::from(u16::MAX))
+                    .ok_or_else(|| {
+                        Error::invalid(format!(
+                            "MASTER_PORT={p}: braid's root takes the port after torchrun's store, and there is none"
+                        ))
+                    })?;
+                format!("{a}:{next}")
+            }
             (None, Some(a), Some(p)) => format!("{a}:{p}"),
             _ => return Err(Error::invalid(
                 "no bootstrap address: set BRAID_ROOT=host:port (or MASTER_ADDR and MASTER_PORT)",
@@ -151,6 +164,27 @@ mod tests {
         ];
         let t0 = env(&t0_vars);
         assert_eq!(JobEnv::from_lookup(&t0).unwrap().id, j.id);
+        // Under torchrun its store holds MASTER_PORT: braid's root is the port after it.
+        let te_vars = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("TORCHELASTIC_RUN_ID", "none"),
+            ("HOME", h),
+        ];
+        let te = JobEnv::from_lookup(env(&te_vars)).unwrap();
+        assert_eq!(te.id.addr().port(), 29501);
+        let top_vars = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "65535"),
+            ("TORCHELASTIC_RUN_ID", "none"),
+            ("HOME", h),
+        ];
+        let err = JobEnv::from_lookup(env(&top_vars)).unwrap_err().to_string();
+        assert!(err.contains("MASTER_PORT=65535"), "{err}");
         let o_vars = [
             ("OMPI_COMM_WORLD_RANK", "3"),
             ("OMPI_COMM_WORLD_SIZE", "8"),
