@@ -124,9 +124,19 @@ class _Work(_C10dWork):
     def __init__(self, bw, result, finish):
         super().__init__()
         self._bw = bw
-        self._future = Future()
         self._done = threading.Event()
         self._error = None
+        # A Python Future cannot hold an error that torch's C++ side sees (set_exception stores the
+        # exception as a value, which DDP's reducer would take for tensors): the future handed out is a
+        # `then` of a trigger, and a callback that raises gives it a real error.
+        trigger = Future()
+
+        def outcome(_):
+            if self._error is not None:
+                raise self._error
+            return result
+
+        self._future = trigger.then(outcome)
 
         def completed(error):
             try:
@@ -136,10 +146,7 @@ class _Work(_C10dWork):
                 error = e
             self._error = error
             self._done.set()
-            if error is None:
-                self._future.set_result(result)
-            else:
-                self._future.set_exception(error)
+            trigger.set_result(None)
 
         bw.on_complete(completed)
 

@@ -153,3 +153,26 @@ fn ddp_with_backend_braid_alone_matches_gloo() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+#[test]
+fn a_rank_dying_mid_training_makes_every_survivor_raise_promptly() {
+    if !python_with_torch() {
+        return;
+    }
+    // The process group's timeout is 10 s: each survivor must raise within 20 s (the script checks),
+    // and the rank that left must be named (by the survivors that waited on it).
+    let out = torchrun(3, "python/tests/torch_fault.py", &["10"]);
+    let text = show(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("rank 1: leaving"), "{text}");
+    for r in [0, 2] {
+        assert!(
+            text.contains(&format!("rank {r}: raised after")),
+            "rank {r} did not raise:\n{text}"
+        );
+    }
+    assert!(
+        text.contains("PeerFailedError") && text.contains("rank 1 died"),
+        "no survivor's error names rank 1:\n{text}"
+    );
+}
