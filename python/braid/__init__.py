@@ -1,8 +1,9 @@
 """braid for Python: collective communication over braid's C ABI (``libbraid.so``), through ctypes.
 
-Nothing is compiled at install time. The library is found through ``BRAID_LIBRARY`` (a path to
-``libbraid.so``), next to this package, in ``target/release`` or ``target/debug`` of the source tree this
-package sits in, or on the system's library path.
+``pip install ./python`` (in braid's source tree) installs it with ``libbraid.so`` inside the package.
+The library is found through ``BRAID_LIBRARY`` (a path to ``libbraid.so``), next to this package, in
+``target/release`` or ``target/debug`` of the source tree this package sits in, or on the system's
+library path.
 
     import numpy as np
     import braid
@@ -168,8 +169,9 @@ def _load():
         except OSError:
             continue
     raise ImportError(
-        "braid: libbraid.so not found (set BRAID_LIBRARY, or build it with `cargo build -p braid-capi`); "
-        "tried: " + ", ".join(tried)
+        "braid: libbraid.so not found. Install the package with its library (`pip install ./python` in "
+        "braid's source tree), or build it (`cargo build --release -p braid-capi`) and set BRAID_LIBRARY to "
+        "target/release/libbraid.so; tried: " + ", ".join(tried)
     )
 
 

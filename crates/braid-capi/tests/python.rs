@@ -176,3 +176,65 @@ fn a_rank_dying_mid_training_makes_every_survivor_raise_promptly() {
         "no survivor's error names rank 1:\n{text}"
     );
 }
+
+#[test]
+fn pip_install_makes_braid_importable_outside_the_tree() {
+    if !python_with_numpy() {
+        return;
+    }
+    let (_, libdir) = artifacts();
+    let venv = std::env::temp_dir().join(format!("braid-venv-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&venv);
+    let run = |cmd: &mut Command, what: &str| {
+        let out = cmd.output().expect(what);
+        assert!(out.status.success(), "{what}:\n{}", show(&out));
+        out
+    };
+    // The system's packages stay visible (numpy, torch); braid comes only from the install.
+    run(
+        Command::new("python3").args(["-m", "venv", "--system-site-packages"]).arg(&venv),
+        "python3 -m venv",
+    );
+    // The build copies the library named by BRAID_LIBRARY instead of compiling a release build.
+    run(
+        Command::new(venv.join("bin/pip"))
+            .args(["install", "--quiet"])
+            .arg(workspace().join("python"))
+            .env("BRAID_LIBRARY", libdir.join("libbraid.so")),
+        "pip install ./python",
+    );
+    let scratch = std::env::temp_dir();
+    let out = run(
+        Command::new(venv.join("bin/python"))
+            .args([
+                "-c",
+                "import braid, numpy as np\n\
+                 c = braid.Communicator.init(1, 0, braid.UniqueId.new())\n\
+                 x = np.arange(5, dtype=np.float32); c.all_reduce(x, op='max')\n\
+                 print(braid.library_path, braid.__file__, x.tolist())",
+            ])
+            .current_dir(&scratch)
+            .env_remove("BRAID_LIBRARY")
+            .env_remove("PYTHONPATH"),
+        "import braid outside the tree",
+    );
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let site = venv.to_str().unwrap();
+    let words: Vec<&str> = text.split_whitespace().collect();
+    assert!(
+        words.len() >= 2 && words[0].starts_with(site) && words[0].ends_with("braid/libbraid.so"),
+        "the library does not come from the installed package: {text}"
+    );
+    assert!(words[1].starts_with(site), "braid was imported from elsewhere: {text}");
+    assert!(text.contains("[0.0, 1.0, 2.0, 3.0, 4.0]"), "{text}");
+    let _ = std::fs::remove_dir_all(&venv);
+    // What the in-tree build leaves behind is ignored by git.
+    for left in ["python/build", "python/braid.egg-info"] {
+        let ignored = Command::new("git")
+            .args(["check-ignore", "-q", left])
+            .current_dir(workspace())
+            .status()
+            .expect("git check-ignore");
+        assert!(ignored.success(), "{left} is not ignored by git");
+    }
+}
