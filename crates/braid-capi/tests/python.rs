@@ -192,7 +192,9 @@ fn pip_install_makes_braid_importable_outside_the_tree() {
     };
     // The system's packages stay visible (numpy, torch); braid comes only from the install.
     run(
-        Command::new("python3").args(["-m", "venv", "--system-site-packages"]).arg(&venv),
+        Command::new("python3")
+            .args(["-m", "venv", "--system-site-packages"])
+            .arg(&venv),
         "python3 -m venv",
     );
     // The build copies the library named by BRAID_LIBRARY instead of compiling a release build.
@@ -225,7 +227,10 @@ fn pip_install_makes_braid_importable_outside_the_tree() {
         words.len() >= 2 && words[0].starts_with(site) && words[0].ends_with("braid/libbraid.so"),
         "the library does not come from the installed package: {text}"
     );
-    assert!(words[1].starts_with(site), "braid was imported from elsewhere: {text}");
+    assert!(
+        words[1].starts_with(site),
+        "braid was imported from elsewhere: {text}"
+    );
     assert!(text.contains("[0.0, 1.0, 2.0, 3.0, 4.0]"), "{text}");
     let _ = std::fs::remove_dir_all(&venv);
     // What the in-tree build leaves behind is ignored by git.
