@@ -41,7 +41,7 @@ from torch.futures import Future
 import braid
 from braid import _check, _lib
 
-__all__ = ["BraidBackend", "NAME"]
+__all__ = ["BraidBackend", "NAME", "CompressionState", "compressed_hook"]
 
 NAME = "braid"
 
@@ -582,6 +582,56 @@ class _All(_C10dWork):
 
     def get_future(self):
         return self._future
+
+
+class CompressionState:
+    """The state of :func:`compressed_hook`: one braid compressor per parameter (error feedback,
+    momentum correction, warm-up and step count), kept by the parameter itself, so that DDP rebuilding
+    its buckets after the first step (or any change of bucket layout) loses none of it.
+
+    ``codec`` is braid's compression text (``"topk:0.1"``, ``"int8"``, ``"powersgd:4"``,
+    ``"topk:0.01/momentum=0.9/warmup=200"``, ...; see :class:`braid.Compressor`); ``process_group`` a group
+    whose backend is braid (default: the default group). ``stats[param]`` holds the last step's statistics
+    of each parameter (compression error, density, gradient norm, bytes sent, step)."""
+
+    def __init__(self, codec="topk:0.1", error_feedback=None, process_group=None):
+        self.codec = codec
+        self.error_feedback = error_feedback
+        self.process_group = process_group
+        self.compressors = {}
+        self.stats = {}
+
+    def communicator(self):
+        pg = self.process_group or dist.distributed_c10d._get_default_group()
+        backend = pg._get_backend(torch.device("cpu"))
+        if not isinstance(backend, BraidBackend):
+            raise RuntimeError(
+                "braid: compressed_hook needs a process group whose backend is braid "
+                "(dist.init_process_group(\"braid\") or new_group(backend=\"braid\"))")
+        return backend._comm
+
+    def compressor(self, param):
+        c = self.compressors.get(param)
+        if c is None:
+            c = braid.Compressor(param.numel(), self.codec, self.error_feedback, layers=[tuple(param.shape)])
+            self.compressors[param] = c
+        return c
+
+
+def compressed_hook(state, bucket):
+    """A DDP communication hook (``model.register_comm_hook(braid.torch.CompressionState("topk:0.1"),
+    braid.torch.compressed_hook)``) that averages each parameter's gradient with braid's compressed
+    all-reduce (bit-identical on every rank), its compression state kept per parameter. CPU float32
+    gradients."""
+    comm = state.communicator()
+    for param, grad in zip(bucket.parameters(), bucket.gradients()):
+        if grad.dtype != torch.float32 or grad.device.type != "cpu" or not grad.is_contiguous():
+            raise RuntimeError(
+                f"braid: compressed_hook takes contiguous CPU float32 gradients, not {grad.dtype} on {grad.device}")
+        state.stats[param] = comm.all_reduce_compressed(grad.numpy().reshape(-1), state.compressor(param), op="avg")
+    fut = Future()
+    fut.set_result(bucket.buffer())
+    return fut
 
 
 def _create(opts, backend_options=None):

@@ -243,3 +243,17 @@ fn pip_install_makes_braid_importable_outside_the_tree() {
         assert!(ignored.success(), "{left} is not ignored by git");
     }
 }
+
+#[test]
+fn compressed_ddp_hook_keeps_error_feedback_per_parameter() {
+    if !python_with_torch() {
+        return;
+    }
+    let out = torchrun(2, "python/tests/torch_compressed.py", &[]);
+    assert_every_rank(
+        &out,
+        2,
+        "compressed ok",
+        "DDP with braid's compressed hook, 2 ranks",
+    );
+}
