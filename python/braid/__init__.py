@@ -299,7 +299,7 @@ def version():
 # ---------------------------------------------------------------------------------------------------
 # Types and ops.
 
-_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4, "band": 5, "bor": 6, "bxor": 7}
 _DTYPES = {
     np.dtype(np.int8): 0,
     np.dtype(np.uint8): 1,

@@ -17,11 +17,12 @@ whose ``get_future()`` is completed by braid's completion callback (no polling t
 tensors are used in place, without copies; a non-contiguous one goes through a contiguous copy.
 
 Types: float32, float64, float16, bfloat16, int8, uint8, int32, int64, uint32, uint64 and bool (as
-uint8; its reductions: max, min). complex64/complex128 travel as pairs of floats (sum, avg; and every
-collective that moves data without reducing it). Reductions: sum, avg, product, min, max.
+uint8; its reductions: max, min and the bitwise ones). complex64/complex128 travel as pairs of floats
+(sum, avg; and every collective that moves data without reducing it). Reductions: sum, avg, product,
+min, max, and on integers and bools band, bor, bxor.
 
 Not (yet) supported, each raising a ``RuntimeError`` that says so: point-to-point ``send``/``recv``,
-the bitwise reductions (``BAND``, ``BOR``, ``BXOR``), ``PREMUL_SUM``, int16, and CUDA tensors.
+``PREMUL_SUM``, int16, and CUDA tensors.
 """
 
 import atexit
@@ -63,7 +64,7 @@ for _name, _code in (("uint32", 3), ("uint64", 5)):
     if hasattr(torch, _name):
         _DTYPES[getattr(torch, _name)] = (_code, 1)
 
-_SUM, _PROD, _MAX, _MIN, _AVG = 0, 1, 2, 3, 4
+_SUM, _PROD, _MAX, _MIN, _AVG, _BAND, _BOR, _BXOR = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 def _dtype(t, what):
@@ -76,18 +77,22 @@ def _dtype(t, what):
 def _redop(op, t, what):
     """The braid reduction for torch's ReduceOp on tensor ``t``."""
     R = dist.ReduceOp
-    table = {R.SUM: _SUM, R.AVG: _AVG, R.PRODUCT: _PROD, R.MIN: _MIN, R.MAX: _MAX}
+    table = {R.SUM: _SUM, R.AVG: _AVG, R.PRODUCT: _PROD, R.MIN: _MIN, R.MAX: _MAX, R.BAND: _BAND, R.BOR: _BOR,
+             R.BXOR: _BXOR}
     code = None
     for k, v in table.items():
         if op == k:
             code = v
             break
     if code is None:
-        raise RuntimeError(f"braid: {what}: the reduction {op} is not supported (sum, avg, product, min, max)")
-    if t.dtype == torch.bool and code not in (_MIN, _MAX):
-        raise RuntimeError(f"braid: {what}: bool tensors reduce with min or max only")
+        raise RuntimeError(
+            f"braid: {what}: the reduction {op} is not supported (sum, avg, product, min, max, band, bor, bxor)")
+    if t.dtype == torch.bool and code not in (_MIN, _MAX, _BAND, _BOR, _BXOR):
+        raise RuntimeError(f"braid: {what}: bool tensors reduce with min, max and the bitwise reductions only")
     if t.is_complex() and code not in (_SUM, _AVG):
         raise RuntimeError(f"braid: {what}: complex tensors reduce with sum or avg only")
+    if code in (_BAND, _BOR, _BXOR) and (t.is_floating_point() or t.is_complex()):
+        raise RuntimeError(f"braid: {what}: the bitwise reductions take integer and bool tensors, not {t.dtype}")
     return code
 
 

@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+faulthandler.enable()  # a crash prints every thread's stack
 faulthandler.dump_traceback_later(int(os.environ.get("BRAID_TEST_WATCHDOG_S", "300")), exit=True)
 
 import torch  # noqa: E402

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+faulthandler.enable()  # a crash prints every thread's stack
 faulthandler.dump_traceback_later(int(os.environ.get("BRAID_TEST_WATCHDOG_S", "120")), exit=True)
 
 import torch  # noqa: E402

@@ -162,7 +162,8 @@ typedef struct braid_unique_id {
 typedef int braid_dtype;
 
 /**
- * A reduction (one of the `BRAID_SUM` ... `BRAID_AVG` codes). Passed as an integer and checked.
+ * A reduction (one of the `BRAID_SUM` ... `BRAID_BXOR` codes). Passed as an integer and checked; the
+ * bitwise ones take integer dtypes only.
  */
 typedef int braid_redop;
 
@@ -323,6 +324,21 @@ typedef void (*braid_work_callback)(void *user_data, enum braid_result result);
  * Mean over ranks (integers: the sum divided by the rank count, truncated).
  */
 #define BRAID_AVG 4
+
+/**
+ * Bitwise AND (integer dtypes; host memory).
+ */
+#define BRAID_BAND 5
+
+/**
+ * Bitwise OR (integer dtypes; host memory).
+ */
+#define BRAID_BOR 6
+
+/**
+ * Bitwise XOR (integer dtypes; host memory).
+ */
+#define BRAID_BXOR 7
 
 /**
  * A plain all-reduce of the float gradient (codec `none`, or `dense`).

@@ -71,7 +71,7 @@ pub(crate) fn redop_of(op: braid_redop) -> Result<ReduceOp, Error> {
     u32::try_from(op)
         .ok()
         .and_then(|c| ReduceOp::from_code(c).ok())
-        .ok_or_else(|| invalid(format!("op {op} is not a braid_redop (valid: 0..=4)")))
+        .ok_or_else(|| invalid(format!("op {op} is not a braid_redop (valid: 0..=7)")))
 }
 
 /// For the calls that take host memory only: `stream` must be NULL.
@@ -532,7 +532,8 @@ mod tests {
         assert!(dtype_of(-1).unwrap_err().to_string().contains("dtype -1"));
         assert!(dtype_of(10).is_err());
         assert_eq!(redop_of(4).unwrap(), ReduceOp::Avg);
-        assert!(redop_of(5).unwrap_err().to_string().contains("op 5"));
+        assert_eq!(redop_of(7).unwrap(), ReduceOp::BitXor);
+        assert!(redop_of(8).unwrap_err().to_string().contains("op 8"));
         assert_eq!(bytes_of(3, 2, DType::F64, "count").unwrap(), 48);
         let e = bytes_of(usize::MAX / 4, 1, DType::F64, "count").unwrap_err();
         assert!(e.to_string().contains("count"), "{e}");

@@ -92,7 +92,8 @@ pub const BRAID_FLOAT64: braid_dtype = 8;
 /// bfloat16 (accumulated in float, rounded once).
 pub const BRAID_BFLOAT16: braid_dtype = 9;
 
-/// A reduction (one of the `BRAID_SUM` ... `BRAID_AVG` codes). Passed as an integer and checked.
+/// A reduction (one of the `BRAID_SUM` ... `BRAID_BXOR` codes). Passed as an integer and checked; the
+/// bitwise ones take integer dtypes only.
 pub type braid_redop = c_int;
 /// Sum (integers wrap).
 pub const BRAID_SUM: braid_redop = 0;
@@ -104,6 +105,12 @@ pub const BRAID_MAX: braid_redop = 2;
 pub const BRAID_MIN: braid_redop = 3;
 /// Mean over ranks (integers: the sum divided by the rank count, truncated).
 pub const BRAID_AVG: braid_redop = 4;
+/// Bitwise AND (integer dtypes; host memory).
+pub const BRAID_BAND: braid_redop = 5;
+/// Bitwise OR (integer dtypes; host memory).
+pub const BRAID_BOR: braid_redop = 6;
+/// Bitwise XOR (integer dtypes; host memory).
+pub const BRAID_BXOR: braid_redop = 7;
 
 /// Bytes in a `braid_unique_id`.
 pub const BRAID_UNIQUE_ID_BYTES: usize = 128;
@@ -612,6 +619,9 @@ mod tests {
             (BRAID_MAX, ReduceOp::Max),
             (BRAID_MIN, ReduceOp::Min),
             (BRAID_AVG, ReduceOp::Avg),
+            (BRAID_BAND, ReduceOp::BitAnd),
+            (BRAID_BOR, ReduceOp::BitOr),
+            (BRAID_BXOR, ReduceOp::BitXor),
         ];
         assert_eq!(o.len(), ReduceOp::ALL.len());
         for (c, t) in o {

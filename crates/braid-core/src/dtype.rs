@@ -132,7 +132,8 @@ impl FromStr for DType {
 
 /// A reduction applied element-wise across ranks.
 ///
-/// The discriminants are stable (C ABI `braid_redop_t`, wire format).
+/// The discriminants are stable (C ABI `braid_redop_t`, wire format). The bitwise reductions apply to
+/// the integer dtypes only ([`ReduceOp::check_dtype`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum ReduceOp {
@@ -141,16 +142,37 @@ pub enum ReduceOp {
     Max = 2,
     Min = 3,
     Avg = 4,
+    /// Bitwise AND (integer dtypes).
+    BitAnd = 5,
+    /// Bitwise OR (integer dtypes).
+    BitOr = 6,
+    /// Bitwise XOR (integer dtypes).
+    BitXor = 7,
 }
 
 impl ReduceOp {
-    /// Every reduction, in code order.
-    pub const ALL: [ReduceOp; 5] = [
+    /// The arithmetic reductions, which every dtype has (and the GPU kernels implement), in code order.
+    pub const ARITHMETIC: [ReduceOp; 5] = [
         ReduceOp::Sum,
         ReduceOp::Prod,
         ReduceOp::Max,
         ReduceOp::Min,
         ReduceOp::Avg,
+    ];
+
+    /// The bitwise reductions, for the integer dtypes, in code order.
+    pub const BITWISE: [ReduceOp; 3] = [ReduceOp::BitAnd, ReduceOp::BitOr, ReduceOp::BitXor];
+
+    /// Every reduction, in code order.
+    pub const ALL: [ReduceOp; 8] = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Avg,
+        ReduceOp::BitAnd,
+        ReduceOp::BitOr,
+        ReduceOp::BitXor,
     ];
 
     /// The name used on the command line, in logs and in JSON.
@@ -161,7 +183,25 @@ impl ReduceOp {
             ReduceOp::Max => "max",
             ReduceOp::Min => "min",
             ReduceOp::Avg => "avg",
+            ReduceOp::BitAnd => "band",
+            ReduceOp::BitOr => "bor",
+            ReduceOp::BitXor => "bxor",
         }
+    }
+
+    /// Whether this is a bitwise reduction.
+    pub const fn is_bitwise(self) -> bool {
+        matches!(self, ReduceOp::BitAnd | ReduceOp::BitOr | ReduceOp::BitXor)
+    }
+
+    /// Whether elements of `dtype` reduce with this op: the bitwise reductions take integers only.
+    pub fn check_dtype(self, dtype: DType) -> Result<(), Error> {
+        if self.is_bitwise() && dtype.is_float() {
+            return Err(Error::invalid(format!(
+                "the bitwise reduction {self} applies to integer dtypes, not {dtype}"
+            )));
+        }
+        Ok(())
     }
 
     /// The reduction with numeric code `code`, or an error naming the bad code.
@@ -170,7 +210,7 @@ impl ReduceOp {
             .iter()
             .copied()
             .find(|o| *o as u32 == code)
-            .ok_or_else(|| Error::invalid(format!("unknown reduce op code {code} (valid: 0..=4)")))
+            .ok_or_else(|| Error::invalid(format!("unknown reduce op code {code} (valid: 0..=7)")))
     }
 }
 
@@ -189,8 +229,11 @@ impl FromStr for ReduceOp {
             "max" => Ok(ReduceOp::Max),
             "min" => Ok(ReduceOp::Min),
             "avg" => Ok(ReduceOp::Avg),
+            "band" => Ok(ReduceOp::BitAnd),
+            "bor" => Ok(ReduceOp::BitOr),
+            "bxor" => Ok(ReduceOp::BitXor),
             _ => Err(Error::invalid(format!(
-                "unknown reduce op '{s}' (expected one of sum prod max min avg)"
+                "unknown reduce op '{s}' (expected one of sum prod max min avg band bor bxor)"
             ))),
         }
     }
@@ -223,6 +266,17 @@ mod tests {
             assert_eq!(o.name().parse::<ReduceOp>().unwrap(), o);
         }
         assert!(DType::from_code(10).unwrap_err().to_string().contains("10"));
+        assert!(ReduceOp::from_code(8).is_err());
+        for o in ReduceOp::BITWISE {
+            assert!(o.is_bitwise());
+            for d in DType::ALL {
+                assert_eq!(o.check_dtype(d).is_ok(), !d.is_float(), "{o} {d}");
+            }
+        }
+        for o in ReduceOp::ARITHMETIC {
+            assert!(!o.is_bitwise());
+            assert!(DType::ALL.iter().all(|&d| o.check_dtype(d).is_ok()));
+        }
         assert!(ReduceOp::from_code(77)
             .unwrap_err()
             .to_string()

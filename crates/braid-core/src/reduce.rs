@@ -43,6 +43,9 @@ trait Acc: Pod + PartialOrd {
     fn min(self, o: Self) -> Self;
     fn max(self, o: Self) -> Self;
     fn div_n(self, n: usize) -> Self;
+    fn band(self, o: Self) -> Self;
+    fn bor(self, o: Self) -> Self;
+    fn bxor(self, o: Self) -> Self;
 }
 
 /// A stored element type and its accumulator.
@@ -60,6 +63,9 @@ macro_rules! int_acc {
             #[inline(always)] fn min(self, o: Self) -> Self { Ord::min(self, o) }
             #[inline(always)] fn max(self, o: Self) -> Self { Ord::max(self, o) }
             #[inline(always)] fn div_n(self, n: usize) -> Self { (self as i128 / n as i128) as $t }
+            #[inline(always)] fn band(self, o: Self) -> Self { self & o }
+            #[inline(always)] fn bor(self, o: Self) -> Self { self | o }
+            #[inline(always)] fn bxor(self, o: Self) -> Self { self ^ o }
         }
         impl Elem for $t {
             type A = $t;
@@ -108,6 +114,11 @@ macro_rules! float_acc {
             #[inline(always)] fn min(self, o: Self) -> Self { if o < self { o } else { self } }
             #[inline(always)] fn max(self, o: Self) -> Self { if o > self { o } else { self } }
             #[inline(always)] fn div_n(self, n: usize) -> Self { (self / n as $t).canonical() }
+            // Never reached through a communicator (ReduceOp::check_dtype refuses bitwise reductions of
+            // floats); defined on the bits so that the kernels stay total.
+            #[inline(always)] fn band(self, o: Self) -> Self { <$t>::from_bits(self.to_bits() & o.to_bits()) }
+            #[inline(always)] fn bor(self, o: Self) -> Self { <$t>::from_bits(self.to_bits() | o.to_bits()) }
+            #[inline(always)] fn bxor(self, o: Self) -> Self { <$t>::from_bits(self.to_bits() ^ o.to_bits()) }
         }
         impl Elem for $t {
             type A = $t;
@@ -218,6 +229,18 @@ macro_rules! with_op {
                 let $f = |a, b| Acc::max(a, b);
                 $body
             }
+            ReduceOp::BitAnd => {
+                let $f = |a, b| Acc::band(a, b);
+                $body
+            }
+            ReduceOp::BitOr => {
+                let $f = |a, b| Acc::bor(a, b);
+                $body
+            }
+            ReduceOp::BitXor => {
+                let $f = |a, b| Acc::bxor(a, b);
+                $body
+            }
         }
     };
 }
@@ -237,7 +260,12 @@ fn view<'a, T: Pod>(bytes: &'a [u8], tmp: &'a mut [T; BLOCK]) -> &'a [T] {
 
 /// Applies `k(dst, a, b)` over whole buffers: directly when every buffer is aligned, else block by block
 /// through aligned temporaries. `b` may be `None` (for one-input kernels).
-#[inline(always)]
+///
+/// Inlined into its caller in optimised builds only: unoptimised, every (dtype, op) instance of the
+/// callers would otherwise keep its own copy of the temporaries in one frame, which outgrows a
+/// thread's stack.
+#[cfg_attr(debug_assertions, inline(never))]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn map<O: Pod, I: Pod, J: Pod>(
     dst: &mut [u8],
     a: &[u8],
@@ -416,7 +444,9 @@ fn ordered_few<T: Elem>(
     }
 }
 
-#[inline(always)]
+/// Inlined in optimised builds only, as [`map`].
+#[cfg_attr(debug_assertions, inline(never))]
+#[cfg_attr(not(debug_assertions), inline(always))]
 fn ordered<T: Elem, const B: usize>(
     f: impl Fn(T::A, T::A) -> T::A,
     avg: bool,

@@ -104,7 +104,12 @@ impl ReduceCopyKernels {
         }
         let op = if shape.uses_op() { op } else { ReduceOp::Sum };
         let function = *self.functions.get(&(shape, dtype, op)).ok_or_else(|| {
-            Error::invalid(kernel_name(shape, dtype, op).unwrap_err().to_string())
+            Error::invalid(match kernel_name(shape, dtype, op) {
+                Ok(name) => {
+                    format!("no kernel {name} was loaded ({op} of {dtype} has no GPU kernel)")
+                }
+                Err(e) => e.to_string(),
+            })
         })?;
         let nranks = u32::try_from(nranks)
             .map_err(|_| Error::invalid(format!("{nranks} contributions do not fit a kernel")))?;

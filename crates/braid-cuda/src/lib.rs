@@ -185,7 +185,7 @@ pub fn entries() -> Vec<(Shape, DType, ReduceOp)> {
     for dtype in DType::ALL {
         for shape in Shape::all() {
             let ops: &[ReduceOp] = if shape.uses_op() {
-                &ReduceOp::ALL
+                &ReduceOp::ARITHMETIC
             } else {
                 &[ReduceOp::Sum]
             };

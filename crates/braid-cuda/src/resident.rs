@@ -295,6 +295,11 @@ impl ResidentAllReduce {
     }
 
     fn function(&self, dtype: DType, op: ReduceOp) -> Result<usize, Error> {
+        if op.is_bitwise() {
+            return Err(Error::invalid(format!(
+                "the device-resident all-reduce has no {op} kernel (bitwise reductions run on host memory)"
+            )));
+        }
         let mut kernels = self.kernels.lock();
         if let Some((_, f)) = kernels.get(&(dtype, op)) {
             return Ok(*f);

@@ -536,8 +536,8 @@ fn every_dtype_and_op_gives_the_reference_result_bit_for_bit() {
     ];
     let mut cases = Vec::new();
     for (d, &dtype) in dtypes.iter().enumerate() {
-        for (o, &op) in ReduceOp::ALL.iter().enumerate() {
-            let i = (d * ReduceOp::ALL.len() + o) as u32;
+        for (o, &op) in ReduceOp::ARITHMETIC.iter().enumerate() {
+            let i = (d * ReduceOp::ARITHMETIC.len() + o) as u32;
             // Awkward values (NaN, infinities, random bits) for every combination, small integers for
             // some more; every mode, block count and placement in turn.
             for values in [Values::Awkward, Values::Small] {
@@ -570,7 +570,7 @@ fn every_dtype_and_op_gives_the_reference_result_bit_for_bit() {
         .into_iter()
         .enumerate()
     {
-        for op in ReduceOp::ALL {
+        for op in ReduceOp::ARITHMETIC {
             cases.push(Case {
                 world: 2 + i % 3,
                 mode: i as u32 % 3,

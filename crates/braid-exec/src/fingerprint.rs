@@ -23,7 +23,7 @@ pub struct Fingerprint {
 const DTYPE_NAMES: [&str; 10] = [
     "int8", "uint8", "int32", "uint32", "int64", "uint64", "half", "float", "double", "bfloat16",
 ];
-const OP_NAMES: [&str; 5] = ["sum", "prod", "max", "min", "avg"];
+const OP_NAMES: [&str; 8] = ["sum", "prod", "max", "min", "avg", "band", "bor", "bxor"];
 
 impl Fingerprint {
     /// Encoded size in bytes.
@@ -105,6 +105,17 @@ impl std::fmt::Display for Fingerprint {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn the_name_tables_follow_the_codes() {
+        for o in braid_core::ReduceOp::ALL {
+            assert_eq!(OP_NAMES[o as usize], o.name());
+        }
+        assert_eq!(OP_NAMES.len(), braid_core::ReduceOp::ALL.len());
+        for d in braid_core::DType::ALL {
+            assert_eq!(DTYPE_NAMES[d as usize], d.name());
+        }
+    }
 
     proptest! {
         #[test]

@@ -114,6 +114,17 @@ impl Op {
         }
     }
 
+    /// Whether the op's reduction applies to its dtype (a bitwise reduction of floats does not): checked
+    /// before an op is issued, so that a refused one changes nothing.
+    pub(crate) fn check(&self) -> Result<(), Error> {
+        match self.kind {
+            Kind::AllReduce | Kind::ReduceScatter | Kind::Reduce { .. } => {
+                self.spec.redop.check_dtype(self.dtype)
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The op runs an all-to-all of `blocks` (direct, each block its own size) instead of its kind's
     /// schedule; `count` stays what the ranks compare under debug checks, so it must be the same on
     /// every rank (the total over all blocks of all ranks).

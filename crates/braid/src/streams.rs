@@ -467,6 +467,7 @@ impl Streams {
 
     /// Runs `op` on `stream` and waits for it, on this thread.
     pub(crate) fn run_blocking(&self, op: Op, stream: usize) -> Result<(), Error> {
+        op.check()?;
         let _turn = self.turn()?;
         self.check_stream(stream)?;
         if let Some(e) = self.poisoned() {
@@ -529,6 +530,7 @@ impl Streams {
 
     /// Queues `task` on `stream` for the progress thread.
     pub(crate) fn submit(self: &Arc<Self>, task: Arc<Task>, stream: usize) -> Result<(), Error> {
+        task.op.check()?;
         let _turn = self.turn()?;
         self.check_stream(stream)?;
         self.push(stream, Item::Op(task));

@@ -50,7 +50,7 @@ static inline const char *dtype_name(braid_dtype t) {
 }
 
 static inline const char *op_name(braid_redop o) {
-  static const char *names[] = {"sum", "prod", "max", "min", "avg"};
+  static const char *names[] = {"sum", "prod", "max", "min", "avg", "band", "bor", "bxor"};
   return names[o];
 }
 

@@ -307,6 +307,64 @@ static void on_done(void *user, braid_result result) {
   __atomic_add_fetch(&c->calls, 1, __ATOMIC_RELEASE);
 }
 
+/* The bitwise reductions: integers of every width against values computed here, floats refused without
+ * effect (the communicator still works afterwards). */
+static void bitwise(braid_comm *comm, int rank) {
+  size_t n = 777;
+  braid_redop ops[3] = {BRAID_BAND, BRAID_BOR, BRAID_BXOR};
+  for (int k = 0; k < 3; k++) {
+    uint64_t *u = malloc(n * 8);
+    uint8_t *b = malloc(n);
+    int32_t *s = malloc(n * 4);
+    for (size_t i = 0; i < n; i++) {
+      u[i] = 0x9e3779b97f4a7c15ull * (uint64_t)(i + 1) ^ ((uint64_t)rank << (i % 60));
+      b[i] = (uint8_t)(i * 37 + (size_t)rank * 101);
+      s[i] = (int32_t)(i * 2654435761u) ^ (rank * 7919);
+    }
+    CHECK(braid_all_reduce(u, u, n, BRAID_UINT64, ops[k], comm, NULL));
+    CHECK(braid_all_reduce(b, b, n, BRAID_UINT8, ops[k], comm, NULL));
+    CHECK(braid_all_reduce(s, s, n, BRAID_INT32, ops[k], comm, NULL));
+    for (size_t i = 0; i < n; i++) {
+      uint64_t wu = 0;
+      uint8_t wb = 0;
+      int32_t ws = 0;
+      for (int r = 0; r < g_world; r++) {
+        uint64_t xu = 0x9e3779b97f4a7c15ull * (uint64_t)(i + 1) ^ ((uint64_t)r << (i % 60));
+        uint8_t xb = (uint8_t)(i * 37 + (size_t)r * 101);
+        int32_t xs = (int32_t)(i * 2654435761u) ^ (r * 7919);
+        if (r == 0) {
+          wu = xu, wb = xb, ws = xs;
+        } else if (ops[k] == BRAID_BAND) {
+          wu &= xu, wb &= xb, ws &= xs;
+        } else if (ops[k] == BRAID_BOR) {
+          wu |= xu, wb |= xb, ws |= xs;
+        } else {
+          wu ^= xu, wb ^= xb, ws ^= xs;
+        }
+      }
+      EXPECT(u[i] == wu && b[i] == wb && s[i] == ws, "bitwise op %d element %zu: %llx %x %x, expected %llx %x %x",
+             ops[k], i, (unsigned long long)u[i], b[i], s[i], (unsigned long long)wu, wb, ws);
+    }
+    free(u);
+    free(b);
+    free(s);
+    g_checks++;
+  }
+  float f[4] = {1, 2, 3, 4}, g[4];
+  EXPECT(braid_all_reduce(f, g, 4, BRAID_FLOAT32, BRAID_BAND, comm, NULL) == BRAID_INVALID_ARGUMENT,
+         "a bitwise reduction of floats was not refused");
+  EXPECT(strstr(braid_get_last_error_message(), "integer") != NULL, "the refusal says: %s",
+         braid_get_last_error_message());
+  EXPECT(f[0] == 1 && f[3] == 4, "a refused reduction changed its input");
+  braid_work *w;
+  EXPECT(braid_all_reduce_async(f, f, 4, BRAID_BFLOAT16, BRAID_BXOR, comm, NULL, &w) == BRAID_INVALID_ARGUMENT,
+         "an asynchronous bitwise reduction of floats was not refused");
+  EXPECT(braid_all_reduce(f, f, 4, BRAID_FLOAT32, 8, comm, NULL) == BRAID_INVALID_ARGUMENT, "op 8 was not refused");
+  CHECK(braid_all_reduce(f, g, 4, BRAID_FLOAT32, BRAID_SUM, comm, NULL));
+  EXPECT(g[3] == 4.0f * g_world, "the sum after the refusals is %g", g[3]);
+  g_checks++;
+}
+
 static void async_more(braid_comm *comm, int rank) {
   size_t n = 1031;
   braid_work *w;
@@ -444,6 +502,7 @@ int main(void) {
   broadcast_and_reduce(comm, g_rank);
   async_variants(comm, g_rank);
   async_more(comm, g_rank);
+  bitwise(comm, g_rank);
   CHECK(braid_barrier(comm, NULL));
 
   braid_result async_rc = BRAID_INTERNAL;

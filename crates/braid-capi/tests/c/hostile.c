@@ -27,7 +27,7 @@
  * 20  broadcast                   root -1                                           "root -1"
  * 21  broadcast                   root == nranks                                    "out of range"
  * 22  reduce                      root 1000                                         "root 1000"
- * 23  reduce                      op 7                                              "op 7"
+ * 23  reduce                      op 8                                              "op 8"
  * 24  barrier                     comm NULL                                         "comm is NULL"
  * 25  barrier                     stream not NULL                                   "stream"
  * 26  comm_count                  out NULL                                          "out is NULL"
@@ -135,7 +135,7 @@ static braid_result c19(void) {
 static braid_result c20(void) { return braid_broadcast(g_a, g_b, N, BRAID_FLOAT32, -1, g_comm, NULL); }
 static braid_result c21(void) { return braid_broadcast(g_a, g_b, N, BRAID_FLOAT32, g_world, g_comm, NULL); }
 static braid_result c22(void) { return braid_reduce(g_a, g_b, N, BRAID_FLOAT32, BRAID_SUM, 1000, g_comm, NULL); }
-static braid_result c23(void) { return braid_reduce(g_a, g_b, N, BRAID_FLOAT32, 7, 0, g_comm, NULL); }
+static braid_result c23(void) { return braid_reduce(g_a, g_b, N, BRAID_FLOAT32, 8, 0, g_comm, NULL); }
 static braid_result c24(void) { return braid_barrier(NULL, NULL); }
 static braid_result c25(void) { return braid_barrier(g_comm, (void *)1); }
 static braid_result c26(void) { return braid_comm_count(g_comm, NULL); }
@@ -250,7 +250,7 @@ static const struct hostile_case CASES[] = {
     {"broadcast root -1", c20, INV, "root -1"},
     {"broadcast root nranks", c21, INV, "out of range"},
     {"reduce root 1000", c22, INV, "root 1000"},
-    {"reduce op 7", c23, INV, "op 7"},
+    {"reduce op 8", c23, INV, "op 8"},
     {"barrier comm NULL", c24, INV, "comm is NULL"},
     {"barrier stream", c25, INV, "stream"},
     {"comm_count out NULL", c26, INV, "out is NULL"},

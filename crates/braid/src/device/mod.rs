@@ -571,6 +571,11 @@ impl DeviceCommunicator {
                 self.world
             )));
         }
+        if redop.is_bitwise() {
+            return Err(Error::invalid(format!(
+                "the bitwise reduction {redop} runs on host memory only (no GPU kernel has it yet)"
+            )));
+        }
         self.check("the send buffer", &send, send_bytes)?;
         self.check("the receive buffer", &recv, recv_bytes)?;
         Ok(DeviceOp {

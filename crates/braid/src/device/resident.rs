@@ -229,7 +229,7 @@ impl Resident {
         let kernels: Vec<(DType, ReduceOp)> = if shared_context {
             DType::ALL
                 .iter()
-                .flat_map(|&d| ReduceOp::ALL.iter().map(move |&o| (d, o)))
+                .flat_map(|&d| ReduceOp::ARITHMETIC.iter().map(move |&o| (d, o)))
                 .collect()
         } else {
             USUAL.to_vec()
