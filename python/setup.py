@@ -42,6 +42,20 @@ class BuildWithLibrary(build_py):
         shutil.copyfile(library(), target)
 
 
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools before 70
+    from wheel.bdist_wheel import bdist_wheel
+
+
+class AnyPythonWheel(bdist_wheel):
+    """The library is loaded with ctypes, so the wheel fits every Python 3 on this platform."""
+
+    def get_tag(self):
+        _, _, platform = super().get_tag()
+        return "py3", "none", platform
+
+
 class NativeDistribution(Distribution):
     """The wheel carries a native library: tag it for this platform, not as pure Python."""
 
@@ -49,4 +63,4 @@ class NativeDistribution(Distribution):
         return True
 
 
-setup(cmdclass={"build_py": BuildWithLibrary}, distclass=NativeDistribution)
+setup(cmdclass={"build_py": BuildWithLibrary, "bdist_wheel": AnyPythonWheel}, distclass=NativeDistribution)

@@ -19,6 +19,7 @@ subclass of :class:`BraidError` chosen by braid's result code, carrying braid's 
 
 import ctypes
 import ctypes.util
+import itertools
 import operator
 import os
 import time
@@ -583,7 +584,7 @@ class UniqueId:
 _WORK_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int)
 # Callbacks handed to braid and not yet called, by token: ctypes must keep them alive until then.
 _pending_callbacks = {}
-_next_callback = [0]
+_callback_tokens = itertools.count(1)
 
 
 def _error_of(rc):
@@ -621,7 +622,7 @@ class Work:
         """Calls ``fn(error)`` once the collective completes (``error`` is None, or the
         :class:`BraidError` it failed with): at once if it already has, else on braid's progress
         thread, so ``fn`` must return promptly and must not wait for braid work. One per work."""
-        token = _next_callback[0] = _next_callback[0] + 1
+        token = next(_callback_tokens)
         # The arrays stay referenced until the callback has run, even if this Work goes first.
         _pending_callbacks[token] = (fn, self._keep)
         rc = _lib.braid_work_on_complete(self._h, _work_done, ctypes.c_void_p(token))

@@ -123,25 +123,33 @@ class _Buffer:
 
 
 class _Work(_C10dWork):
-    """One braid collective as torch sees it. ``wait()`` returns once braid's work has completed and
-    its results are in the caller's tensors; ``get_future()`` is completed by braid's callback."""
+    """One braid collective as torch sees it. ``wait()`` waits for braid's work (bounded by the
+    communicator's timeout), raises braid's error if it failed, and returns once the results are in the
+    caller's tensors; ``get_future()`` is completed from braid's completion callback.
+
+    A Python Future cannot hold an error that torch's C++ side sees (``set_exception`` stores the
+    exception as a value, which DDP's reducer would take for tensors): the future is a ``then`` of a
+    trigger, and a callback that raises gives it a real error. (torch's own Work made from a future does
+    not raise from ``wait()`` when the error arrives during the wait, so ``wait`` is braid's.) torch
+    forwards only ``wait`` and ``get_future`` of a Python backend's Work: completion shows on the future
+    (``get_future().done()``). The callback keeps braid's work, and the buffers it holds, until braid has
+    completed it, however early torch lets this object go."""
 
     def __init__(self, bw, result, finish):
         super().__init__()
         self._bw = bw
         self._done = threading.Event()
-        self._error = None
-        # A Python Future cannot hold an error that torch's C++ side sees (set_exception stores the
-        # exception as a value, which DDP's reducer would take for tensors): the future handed out is a
-        # `then` of a trigger, and a callback that raises gives it a real error.
+        state = {"work": bw, "error": None}
+        self._state = state
         trigger = Future()
 
         def outcome(_):
-            if self._error is not None:
-                raise self._error
+            if state["error"] is not None:
+                raise state["error"]
             return result
 
         self._future = trigger.then(outcome)
+        done = self._done
 
         def completed(error):
             try:
@@ -149,35 +157,25 @@ class _Work(_C10dWork):
                     finish()
             except BaseException as e:
                 error = e
-            self._error = error
-            self._done.set()
-            trigger.set_result(None)
+            state["error"] = error
+            state["work"] = None  # braid is done with the buffers
+            try:
+                trigger.set_result(None)  # the future is done before wait() returns
+            finally:
+                done.set()
 
         bw.on_complete(completed)
 
     def wait(self, timeout=None):
-        # braid's wait is bounded by the communicator's timeout and raises braid's error.
         self._bw.wait()
-        # The callback may still be running (copying results back): it follows braid's completion.
+        # The callback follows braid's completion (copying results back): it is at most moments away.
         self._done.wait()
-        if self._error is not None:
-            raise self._error
+        if self._state["error"] is not None:
+            raise self._state["error"]
         return True
-
-    def is_completed(self):
-        return self._done.is_set()
-
-    def is_success(self):
-        return self._done.is_set() and self._error is None
-
-    def exception(self):
-        return self._error
 
     def get_future(self):
         return self._future
-
-    def source_rank(self):
-        return -1
 
 
 def _advertised_host():
@@ -275,6 +273,15 @@ class BraidBackend(_C10dBackend):
                 extra()
 
         return finish
+
+    def _one_sided(self, what):
+        """An argument error only this rank can see (the root's buffers), after aborting the
+        communicator: its peers are about to run the collective and fail at once, naming this rank,
+        instead of waiting for it until the timeout. The process group is then unusable, as after any
+        failed collective."""
+        self.abort()
+        return RuntimeError(f"braid: {what} (an error on this rank only: the process group was aborted, so "
+                            "that its peers fail at once)")
 
     def _one(self, tensors, what):
         if len(tensors) != 1:
@@ -438,6 +445,9 @@ class BraidBackend(_C10dBackend):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         n = self._size
         if not output_split_sizes and not input_split_sizes:
+            if (input.dim() and input.shape[0] % n) or (output.dim() and output.shape[0] % n):
+                raise RuntimeError(f"braid: all_to_all_single: the tensors' first dimension does not divide into "
+                                   f"{n} equal splits")
             if input.numel() % n or output.numel() != input.numel():
                 raise RuntimeError(
                     f"braid: all_to_all_single: {input.numel()} input and {output.numel()} output elements "
@@ -485,15 +495,15 @@ class BraidBackend(_C10dBackend):
         inp = self._one(input_tensors, "gather")
         root, n = opts.rootRank, self._size
         is_root = self._rank == root
+        k = inp.numel()
         if is_root:
             if len(output_tensors) != 1 or len(output_tensors[0]) != n:
-                raise RuntimeError(f"braid: gather: one list of {n} output tensors expected on the root")
+                raise self._one_sided(f"gather: one list of {n} output tensors expected on the root")
             outs = output_tensors[0]
-            _cpu_only(outs, "gather")
-            _same_dtype([inp, *outs], "gather")
+            if any(t.device.type != "cpu" or t.dtype != inp.dtype or t.numel() != k for t in outs):
+                raise self._one_sided(f"gather: every output tensor must be a CPU {inp.dtype} tensor of {k} elements")
         elif output_tensors and any(len(o) for o in output_tensors):
-            raise RuntimeError("braid: gather: output tensors are given on the root only")
-        k = inp.numel()
+            raise self._one_sided("gather: output tensors are given on the root only")
         flat = torch.empty(n * k if is_root else 0, dtype=inp.dtype)
         send = [k if j == root else 0 for j in range(n)]
         recv = [k if is_root else 0 for _ in range(n)]
@@ -511,34 +521,22 @@ class BraidBackend(_C10dBackend):
         out = self._one(output_tensors, "scatter")
         root, n = opts.rootRank, self._size
         is_root = self._rank == root
+        k = out.numel()
         if is_root:
             if len(input_tensors) != 1 or len(input_tensors[0]) != n:
-                raise RuntimeError(f"braid: scatter: one list of {n} input tensors expected on the root")
+                raise self._one_sided(f"scatter: one list of {n} input tensors expected on the root")
             ins = input_tensors[0]
-            _cpu_only(ins, "scatter")
-            _same_dtype([out, *ins], "scatter")
+            if any(t.device.type != "cpu" or t.dtype != out.dtype or t.numel() != k for t in ins):
+                raise self._one_sided(f"scatter: every input tensor must be a CPU {out.dtype} tensor of {k} elements "
+                                      "(the output's)")
             flat = torch.cat([t.reshape(-1) for t in ins])
+        elif input_tensors and any(len(i) for i in input_tensors):
+            raise self._one_sided("scatter: input tensors are given on the root only")
         else:
             flat = torch.empty(0, dtype=out.dtype)
-        k = out.numel()
         send = [k if is_root else 0 for _ in range(n)]
         recv = [k if j == root else 0 for j in range(n)]
         return self._all_to_all_v(out, flat, send, recv, "scatter", output_tensors)
-
-    def gather_single(self, output, input, opts):
-        """Every rank's tensor to the root's ``output`` (``size`` × the input, in rank order)."""
-        root, n = opts.rootRank, self._size
-        is_root = self._rank == root
-        _cpu_only([output, input], "gather_into_tensor")
-        _same_dtype([output, input], "gather_into_tensor")
-        k = input.numel()
-        if is_root and output.numel() != n * k:
-            raise RuntimeError(
-                f"braid: gather_into_tensor: the output has {output.numel()} elements, {n} × {k} expected")
-        out = output if is_root else torch.empty(0, dtype=input.dtype)
-        send = [k if j == root else 0 for j in range(n)]
-        recv = [k if is_root else 0 for _ in range(n)]
-        return self._all_to_all_v(out, input, send, recv, "gather_into_tensor", [output])
 
     # torch 2.10 and later call these by their new names; earlier ones by the old.
     all_gather_single = _allgather_base
@@ -570,20 +568,24 @@ def _same_dtype(tensors, what):
 
 
 class _All(_C10dWork):
-    """Several works as one (the coalesced calls)."""
+    """Several works as one (the coalesced calls): ``wait`` raises the first failure, and the future
+    fails if any of theirs does."""
 
     def __init__(self, works, result):
         super().__init__()
         self._works = works
-        self._future = torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: result)
+
+        def outcome(fut):
+            for f in fut.value():
+                f.value()  # raises the first failure
+            return result
+
+        self._future = torch.futures.collect_all([w.get_future() for w in works]).then(outcome)
 
     def wait(self, timeout=None):
         for w in self._works:
             w.wait()
         return True
-
-    def is_completed(self):
-        return all(w.is_completed() for w in self._works)
 
     def get_future(self):
         return self._future

@@ -223,6 +223,9 @@ def asynchronous(rank, world, gloo):
     sums = [w.get_future().then(lambda f: f.value()[0].double().sum().item()) for w in works]
     for k in reversed(range(len(works))):
         works[k].wait()
+        # torch 2.15 forwards only wait() and get_future() of a Python backend's Work (its
+        # is_completed() stays False): completion shows on the future.
+        check(works[k].get_future().done(), f"all_reduce {k}'s future is not done after wait()")
         close(ts[k], wants[k], torch.float32, f"async all_reduce {k}")
         check(abs(sums[k].wait() - ts[k].double().sum().item()) < 1e-6, f"future of all_reduce {k}")
     # torch.futures.wait_all over the backend's futures.
@@ -284,6 +287,35 @@ def refusals(rank, world):
     check(torch.equal(t, torch.full((2,), float(world))), "all_reduce after refusals")
 
 
+def one_sided_errors(rank, world):
+    """An error in the root's arguments only (it alone raises) aborts its process group, so the other
+    ranks fail at once instead of waiting for the root until the timeout (30 minutes here)."""
+    import time
+
+    g = dist.new_group(backend="braid")
+    start = time.monotonic()
+    out = torch.empty(4)
+    ins = [torch.empty(5) for _ in range(world)] if rank == 0 else None  # 5 elements for outputs of 4
+    try:
+        dist.scatter(out, ins, src=0, group=g)
+    except RuntimeError as e:
+        took = time.monotonic() - start
+        if rank == 0:
+            check("this rank only" in str(e) and "4 elements" in str(e), f"the root's scatter error: {e}")
+        else:
+            check("rank 0" in str(e), f"rank {rank}'s scatter error names no root: {e}")
+        check(took < 60, f"the scatter error took {took:.1f} s")
+    else:
+        check(False, "a scatter with inputs of the wrong size did not fail")
+    # Splits that do not divide the first dimension fail on every rank, before anything runs.
+    try:
+        dist.all_to_all_single(torch.empty(world + 1, 2), torch.empty(world + 1, 2))
+    except RuntimeError as e:
+        check("first dimension" in str(e), f"all_to_all_single: {e}")
+    else:
+        check(False, "all_to_all_single of an indivisible first dimension did not fail")
+
+
 def main():
     dist.init_process_group("braid")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -295,6 +327,7 @@ def main():
     asynchronous(rank, world, gloo)
     subgroups(rank, world)
     refusals(rank, world)
+    one_sided_errors(rank, world)
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: torch ok ({checks} checks)", flush=True)

@@ -844,8 +844,10 @@ enum braid_result braid_all_to_all_async(const void *sendbuf,
  * copying: `sendcounts[j]` elements at `sdispls[j]` of `sendbuf` go to rank j, and what rank p sends
  * here lands in `recvcounts[p]` elements at `rdispls[p]` of `recvbuf`. Counts and displacements are in
  * elements; `sendbuf` holds `sendlen` elements and `recvbuf` `recvlen`, and they must not overlap. The
- * counts must agree pairwise (rank i's `sendcounts[j]` is rank j's `recvcounts[i]`): a block of another
- * size fails the collective with `BRAID_MISMATCH` on both ranks.
+ * counts must agree pairwise (rank i's `sendcounts[j]` is rank j's `recvcounts[i]`), as in MPI: a rank
+ * that receives a block of another non-zero size than it expects fails with `BRAID_MISMATCH` (and its
+ * peers at their next collective), but a block expected and never sent, or sent and not expected (a zero
+ * on one side only), is noticed only by a later collective or the timeout.
  *
  * # Safety
  * As `braid_all_reduce_async`, with `sendbuf` readable for `sendlen` elements and `recvbuf` writable

@@ -273,8 +273,9 @@ impl Communicator {
     /// Enqueues an all-to-all whose blocks differ in size on `stream`, without copying: `send[j]` (a
     /// range of elements of `send_buf`) goes to rank `j`, and what rank `p` sends here lands in
     /// `recv[p]` of `recv_buf`. The sizes must agree pairwise (this rank's `send[j]` is as long as rank
-    /// `j`'s `recv[me]`): a block of another size fails the collective on both ranks. This rank's own
-    /// block is copied, so `send[me]` and `recv[me]` have the same length.
+    /// `j`'s `recv[me]`): a rank receiving a block of another non-zero size fails with a mismatch (its
+    /// peers at their next collective); an empty block on one side only is noticed by a later collective
+    /// or the timeout. This rank's own block is copied, so `send[me]` and `recv[me]` have the same length.
     ///
     /// # Safety
     /// As [`Communicator::all_reduce_raw_async`], with `send_buf` valid for `send_len` bytes, `recv_buf`
