@@ -621,7 +621,7 @@ class Work:
     def on_complete(self, fn):
         """Calls ``fn(error)`` once the collective completes (``error`` is None, or the
         :class:`BraidError` it failed with): at once if it already has, else on braid's progress
-        thread, so ``fn`` must return promptly and must not wait for braid work. One per work."""
+        thread, so ``fn`` should return promptly (it may issue collectives and wait for them). One per work."""
         token = next(_callback_tokens)
         # The arrays stay referenced until the callback has run, even if this Work goes first.
         _pending_callbacks[token] = (fn, self._keep)

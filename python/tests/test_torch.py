@@ -228,6 +228,14 @@ def asynchronous(rank, world, gloo):
         check(works[k].get_future().done(), f"all_reduce {k}'s future is not done after wait()")
         close(ts[k], wants[k], torch.float32, f"async all_reduce {k}")
         check(abs(sums[k].wait() - ts[k].double().sum().item()) < 1e-6, f"future of all_reduce {k}")
+    # A then() callback (it runs on braid's progress thread) may run a blocking collective of its own.
+    def chained(fut):
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        return fut.value()[0].sum().item() + t.sum().item()
+
+    f = dist.all_reduce(torch.ones(2), async_op=True).get_future().then(chained)
+    check(f.wait() == 5 * world, f"a blocking all_reduce inside a then() callback gave {f.wait()}")
     # torch.futures.wait_all over the backend's futures.
     xs = [torch.full((10,), float(rank + k)) for k in range(3)]
     futs = [dist.all_reduce(x, async_op=True).get_future() for x in xs]

@@ -888,7 +888,8 @@ enum braid_result braid_work_wait(struct braid_work *work);
 /**
  * Calls `callback(user_data, result)` once the work completes: at once, on this thread, if it
  * already has; otherwise on the thread that completes it (braid's progress thread), so the callback
- * must return promptly and must not wait for braid work itself. The work's result stays available to
+ * should return promptly; it may issue collectives and wait for them (a wait on braid's progress thread
+ * advances the communicator itself). The work's result stays available to
  * `braid_work_wait`/`braid_work_test` (which then return at once), and the handle must still be freed. One
  * callback per handle: a second call is `BRAID_INVALID_ARGUMENT` and changes nothing.
  *

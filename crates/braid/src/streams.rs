@@ -152,8 +152,9 @@ impl<R: 'static> Work<R> {
     }
 
     /// Calls `f` with the op's result once it completes: at once, on this thread, if it already has;
-    /// otherwise on the thread that completes it (the progress thread, or a blocking caller), which
-    /// should not block in `f`. A second callback replaces the first.
+    /// otherwise on the thread that completes it (the progress thread, or a blocking caller). `f` should
+    /// return promptly; it may issue collectives and wait for them (on the progress thread the wait
+    /// advances the streams itself). A second callback replaces the first.
     pub fn on_complete(&self, f: impl FnOnce(&Result<(), Error>) + Send + 'static) {
         let mut cb = self.task.callback.lock();
         let done = self.task.result.lock().clone();
@@ -170,8 +171,16 @@ impl<R: 'static> Work<R> {
     /// communicator's timeout by much. One that somehow does makes this abort the communicator (so that
     /// it ends promptly, with an error, and lets go of its buffers) and wait once more; only if even that
     /// fails does this return without the op having ended.
+    ///
+    /// On the communicator's progress thread (a completion callback waiting for another collective) it
+    /// advances the streams itself instead of waiting for that thread, which is this one.
     pub fn wait(self) -> Result<R, Error> {
-        let mut r = self.task.wait_until(Instant::now() + self.limit);
+        let streams = self.streams.as_ref().and_then(Weak::upgrade);
+        let wait_for = |deadline: Instant| match &streams {
+            Some(s) if s.on_progress_thread() => s.drive(&self.task, deadline),
+            _ => self.task.wait_until(deadline),
+        };
+        let mut r = wait_for(Instant::now() + self.limit);
         if r.is_none() {
             let overrun = Error::Poisoned {
                 rank: self.rank,
@@ -181,9 +190,9 @@ impl<R: 'static> Work<R> {
                     self.limit
                 ),
             };
-            if let Some(s) = self.streams.as_ref().and_then(Weak::upgrade) {
+            if let Some(s) = &streams {
                 s.abort(overrun.clone());
-                r = self.task.wait_until(Instant::now() + self.limit);
+                r = wait_for(Instant::now() + self.limit);
             }
             if r.is_none() {
                 return Err(overrun);
@@ -526,6 +535,35 @@ impl Streams {
         }
         task.wait_until(Instant::now())
             .unwrap_or_else(|| Err(Error::Internal("a finished task has no result".into())))
+    }
+
+    /// Whether the calling thread is this communicator's progress thread.
+    fn on_progress_thread(&self) -> bool {
+        self.progress
+            .lock()
+            .as_ref()
+            .is_some_and(|h| h.thread().id() == std::thread::current().id())
+    }
+
+    /// Advances every stream on this thread until `task` completes (its result) or `deadline` passes
+    /// (`None`): how the progress thread waits for work from inside a completion callback.
+    fn drive(&self, task: &Task, deadline: Instant) -> Option<Result<(), Error>> {
+        loop {
+            let mut sched = self.sched.lock();
+            let (progressed, done) = self.round(&mut sched);
+            let mut callbacks = finish_all(done);
+            if !progressed && !task.is_done() {
+                callbacks.extend(finish_all(self.nap(&mut sched).into_iter().collect()));
+            }
+            drop(sched);
+            run_callbacks(callbacks);
+            if task.is_done() {
+                return task.wait_until(Instant::now());
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+        }
     }
 
     /// Queues `task` on `stream` for the progress thread.

@@ -114,6 +114,45 @@ fn async_ops_run_in_order_with_blocking_ones() {
 }
 
 #[test]
+fn a_completion_callback_may_issue_and_wait_for_another_collective() {
+    let results = with_ranks(2, config(10_000), |c| {
+        let c = Arc::new(c);
+        let inner = c.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        // Rank 1 joins late, so rank 0's first all-reduce completes on its progress thread.
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        let first = c.all_reduce_async(vec![1u32; 10], ReduceOp::Sum);
+        first.on_complete(move |r| {
+            let on = std::thread::current().name().unwrap_or("").to_string();
+            let second = r
+                .clone()
+                .and_then(|()| inner.all_reduce_async(vec![2u32; 10], ReduceOp::Sum).wait());
+            let _ = tx.send((on, second));
+        });
+        let (on, second) = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the callback ran");
+        (c.rank(), on, second, first.wait())
+    });
+    for (rank, on, second, first) in results {
+        assert_eq!(first.unwrap(), vec![2u32; 10], "rank {rank}");
+        assert_eq!(
+            second.unwrap(),
+            vec![4u32; 10],
+            "rank {rank}: the collective waited for in a callback (on thread {on:?})"
+        );
+        if rank == 0 {
+            assert!(
+                on.starts_with("braid-progress"),
+                "rank 0's callback ran on {on:?}, not the progress thread: the test shows nothing"
+            );
+        }
+    }
+}
+
+#[test]
 fn work_test_reports_completion() {
     with_ranks(2, config(20_000), |c| {
         let w = c.all_reduce_async(vec![1u32; 10], ReduceOp::Sum);
