@@ -364,6 +364,11 @@ impl ErrorFeedback {
         &self.velocity
     }
 
+    /// Momentum correction's velocity, to restore it from a checkpoint (empty when it is off).
+    pub fn velocity_mut(&mut self) -> &mut [f32] {
+        &mut self.velocity
+    }
+
     /// Number of elements.
     pub fn len(&self) -> usize {
         self.error.len()

@@ -62,6 +62,9 @@ pub struct Config {
     /// Largest all-reduce (bytes) sent with the one-step direct algorithm when braid chooses
     /// (`BRAID_DIRECT_MAX_BYTES`, default 16384).
     pub direct_max_bytes: usize,
+    /// Largest gradient bucket of `braid::GradientBuckets`, in bytes (`BRAID_BUCKET_BYTES`, default
+    /// 26214400, 25 MiB, as PyTorch DDP's); a parameter larger than this gets a bucket of its own.
+    pub bucket_bytes: usize,
     /// Log verbosity (`BRAID_DEBUG`).
     pub debug: DebugLevel,
     /// Compare every collective's fingerprint across ranks before running it (`BRAID_DEBUG_CHECKS`).
@@ -146,6 +149,7 @@ impl Default for Config {
             algo: None,
             tune_file: None,
             direct_max_bytes: 16 * 1024,
+            bucket_bytes: 25 << 20,
             debug: DebugLevel::Error,
             debug_checks: false,
             dump_on_timeout: true,
@@ -234,6 +238,7 @@ const STREAMS: Limit = limit("BRAID_STREAMS", "streams", 1, 8);
 const CHANNELS: Limit = limit("BRAID_CHANNELS", "channels", 1, 16);
 const SPIN_US: Limit = limit("BRAID_SPIN_US", "spin_us", 0, 10_000_000);
 const DIRECT_MAX_BYTES: Limit = limit("BRAID_DIRECT_MAX_BYTES", "direct_max_bytes", 0, 64 << 20);
+const BUCKET_BYTES: Limit = limit("BRAID_BUCKET_BYTES", "bucket_bytes", 1, 1 << 40);
 const SOCKETS_PER_PEER: Limit = limit("BRAID_SOCKETS_PER_PEER", "sockets_per_peer", 1, 16);
 const IB_QPS_PER_PEER: Limit = limit("BRAID_IB_QPS_PER_PEER", "ib.qps_per_peer", 1, 16);
 const IB_GID_INDEX: Limit = limit("BRAID_IB_GID_INDEX", "ib.gid_index", 0, 255);
@@ -287,6 +292,7 @@ impl Config {
             SPIN_US.check(us)?;
         }
         DIRECT_MAX_BYTES.check(self.direct_max_bytes as u64)?;
+        BUCKET_BYTES.check(self.bucket_bytes as u64)?;
         SOCKETS_PER_PEER.check(self.sockets_per_peer as u64)?;
         let ib = &self.ib;
         IB_QPS_PER_PEER.check(ib.qps_per_peer as u64)?;
@@ -346,6 +352,9 @@ impl Config {
         }
         if let Some(v) = lookup("BRAID_DIRECT_MAX_BYTES") {
             c.direct_max_bytes = DIRECT_MAX_BYTES.parse(&v)? as usize;
+        }
+        if let Some(v) = lookup("BRAID_BUCKET_BYTES") {
+            c.bucket_bytes = BUCKET_BYTES.parse(&v)? as usize;
         }
         if let Some(v) = lookup("BRAID_DEBUG_CHECKS") {
             c.debug_checks = parse_bool("BRAID_DEBUG_CHECKS", &v)?;
@@ -500,6 +509,7 @@ mod tests {
                 &CHANNELS,
                 &SPIN_US,
                 &DIRECT_MAX_BYTES,
+                &BUCKET_BYTES,
                 &SOCKETS_PER_PEER,
                 &IB_QPS_PER_PEER,
                 &IB_GID_INDEX,
@@ -577,6 +587,14 @@ mod tests {
                 },
                 "direct_max_bytes",
                 "BRAID_DIRECT_MAX_BYTES",
+            ),
+            (
+                Config {
+                    bucket_bytes: 0,
+                    ..d()
+                },
+                "bucket_bytes",
+                "BRAID_BUCKET_BYTES",
             ),
             (
                 Config {

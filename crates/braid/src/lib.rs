@@ -18,6 +18,7 @@
 //! (`BRAID_TIMEOUT_MS`); a dead or aborted peer becomes an error on every rank, never a hang.
 
 mod bootstrap;
+mod buckets;
 mod comm;
 pub mod compressed;
 mod device;
@@ -35,6 +36,7 @@ pub mod wire;
 pub use braid_compress;
 pub use braid_core::{Config, DType, DebugLevel, Element, Error, ReduceOp, Result};
 pub use braid_topo;
+pub use buckets::{BucketOptions, GradientBuckets};
 pub use comm::{Communicator, Registration};
 pub use compressed::{
     AdamSafe, AdamSend, ClipScope, CodecSpec, CompressedPath, CompressedReport, CompressionConfig,

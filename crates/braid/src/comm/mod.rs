@@ -237,6 +237,51 @@ impl Communicator {
         ))
     }
 
+    /// A second handle on this communicator, for a helper thread of braid's own; the communicator
+    /// shuts down when the last handle is dropped.
+    pub(crate) fn handle(&self) -> Communicator {
+        Communicator {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+
+    /// Queues an in-place `kind` of `bytes` bytes of `dtype` elements at the start of an owned, 8-byte
+    /// aligned buffer on `stream`; [`Work::wait`] gives the buffer back.
+    pub(crate) fn submit_words_on(
+        &self,
+        stream: usize,
+        kind: Kind,
+        dtype: braid_core::DType,
+        redop: ReduceOp,
+        words: Vec<u64>,
+        bytes: usize,
+    ) -> Result<Work<Vec<u64>>, Error> {
+        if bytes > words.len() * 8 || bytes % dtype.size() != 0 {
+            return Err(Error::Internal(format!(
+                "{bytes} bytes of {dtype} in a buffer of {} words",
+                words.len()
+            )));
+        }
+        let mut boxed = Box::new(words);
+        let ptr = boxed.as_mut_ptr() as *mut u8;
+        // SAFETY: the first `bytes` bytes of the vector's heap buffer (checked above) are owned by the
+        // task until it completes (moving the box does not move the heap buffer) and nobody else
+        // touches them meanwhile.
+        let op = unsafe {
+            Op::new(
+                kind,
+                dtype,
+                redop,
+                bytes / dtype.size(),
+                ptr,
+                bytes,
+                ptr,
+                bytes,
+            )
+        };
+        self.submit_on(stream, op, boxed)
+    }
+
     /// A work handle that already holds `e` (a submission that could not be queued).
     fn failed_work<R: Send + 'static>(&self, e: Error) -> Work<R> {
         let task = Task::new(Op::barrier(), None);
@@ -251,10 +296,11 @@ impl Inner {
     }
 }
 
-impl Drop for Communicator {
+impl Drop for Inner {
+    /// The last handle is gone (the caller's, or one a [`crate::GradientBuckets`] worker held).
     fn drop(&mut self) {
         // Queued ops still run (their buffers are owned by their tasks); each is bounded by the
         // timeout, so this is bounded too.
-        self.inner.streams.shut_down();
+        self.streams.shut_down();
     }
 }

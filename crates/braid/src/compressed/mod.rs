@@ -30,6 +30,8 @@
 
 use std::fmt;
 
+pub(crate) use carry::Carried;
+
 use braid_compress::power_sgd::Plan;
 use braid_compress::{build_codec, ErrorFeedback, Layout, Staleness, Stats, DEFAULT_DENSITY};
 pub use braid_compress::{BoxedCodec, CodecSpec, DensityWarmup};
@@ -741,6 +743,7 @@ impl GradientCompressor {
     }
 }
 
+mod carry;
 mod config;
 mod paths;
 mod sparse;

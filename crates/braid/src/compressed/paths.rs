@@ -37,7 +37,7 @@ fn stats_for(
 
 /// Element ranges of the `n` shards of the two-phase path: block-aligned, so that a shard's encoding is
 /// exactly the slice of the whole tensor's.
-fn shards(len: usize, block: usize, n: usize) -> Vec<Range<usize>> {
+pub(super) fn shards(len: usize, block: usize, n: usize) -> Vec<Range<usize>> {
     partition(len.div_ceil(block), n)
         .into_iter()
         .map(|b| (b.start * block).min(len)..(b.end * block).min(len))

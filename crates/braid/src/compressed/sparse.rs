@@ -149,15 +149,21 @@ fn byte_blocks(counts: impl Iterator<Item = u64>) -> Result<(Vec<Range<usize>>, 
 }
 
 impl GradientCompressor {
+    /// Gives the sparse reduce-scatter's second error buffer back to the local one (over this rank's
+    /// range), as when the communicator's shape changes.
+    pub(super) fn fold_range_state(&mut self) {
+        if let Some(old) = self.sparse.take() {
+            let r = old.partition.range(old.rank);
+            add_into(&mut self.ef.error, r, &old.error);
+        }
+    }
+
     /// The sparse state for `rank` of `world`, made (even partition, empty second buffer) if there is
     /// none for this shape; one made for another shape gives its second buffer back to the local one.
     fn range_state(&mut self, world: usize, rank: usize) -> Result<&mut RangeState, Error> {
         let fits = matches!(&self.sparse, Some(s) if (s.world, s.rank) == (world, rank));
         if !fits {
-            if let Some(old) = self.sparse.take() {
-                let r = old.partition.range(old.rank);
-                add_into(&mut self.ef.error, r, &old.error);
-            }
+            self.fold_range_state();
             let partition = Partition::even(self.len, world);
             let (error, sum) = RangeState::buffers(partition.range(rank).len())?;
             // The decay rule of every other error buffer (off without error feedback).
@@ -178,7 +184,7 @@ impl GradientCompressor {
 }
 
 /// `dst[range] += src` (a second error buffer given back to the local one).
-fn add_into(dst: &mut [f32], range: Range<usize>, src: &[f32]) {
+pub(super) fn add_into(dst: &mut [f32], range: Range<usize>, src: &[f32]) {
     if let Some(d) = dst.get_mut(range) {
         d.iter_mut().zip(src).for_each(|(d, s)| *d += s);
     }
