@@ -44,6 +44,18 @@
 #define BRAID_VERSION_CODE 100
 
 /**
+ * `braid_buckets_create` flag: keep the first layout (reverse registration order) instead of rebuilding
+ * it in the order the gradients arrived on rank 0 after the first step.
+ */
+#define BRAID_BUCKETS_NO_REBUILD 1
+
+/**
+ * `braid_buckets_create` flag: a parameter not marked ready by `braid_buckets_finish` counts as a zero
+ * gradient (instead of failing the step on every rank).
+ */
+#define BRAID_BUCKETS_UNUSED_AS_ZERO 2
+
+/**
  * The result of every braid call. `BRAID_SUCCESS` is 0; the other codes are stable.
  */
 typedef enum braid_result {
@@ -92,6 +104,11 @@ typedef enum braid_result {
    */
   BRAID_OUT_OF_MEMORY = 10,
 } braid_result;
+
+/**
+ * Gradient buckets of one model (opaque).
+ */
+typedef struct braid_buckets braid_buckets;
 
 /**
  * A communicator (opaque).
@@ -541,6 +558,95 @@ const char *braid_get_last_error_message(void);
  * `version` is NULL or valid for writing an `int`.
  */
 enum braid_result braid_get_version(int *version);
+
+/**
+ * Makes gradient buckets for `nparams` parameters, parameter `i` being `counts[i]` elements of
+ * `dtypes[i]`, listed in the order the model lists them (every rank passes the same list). Buckets
+ * hold consecutive parameters of one dtype, at most `bucket_bytes` bytes each (0: `BRAID_BUCKET_BYTES`,
+ * default 25 MiB; the first bucket at most 1 MiB); their all-reduces (`op`) start in bucket order on the
+ * communicator's last stream, whose priority becomes high, as soon as a bucket's gradients are all in.
+ * `compression` (NULL: none) compresses every bucket with its own compressor, the text in the grammar of
+ * `BRAID_COMPRESS` (float parameters only; `op` `BRAID_SUM` or `BRAID_AVG`); those all-reduces run on a
+ * helper thread, which owns the communicator from a step's first `braid_buckets_mark_ready` until its
+ * `braid_buckets_finish` returns. `flags`: `BRAID_BUCKETS_NO_REBUILD`, `BRAID_BUCKETS_UNUSED_AS_ZERO`.
+ * The buckets keep the communicator alive until they are destroyed.
+ *
+ * # Safety
+ * `out` is valid for writing a pointer; `counts` and `dtypes` are readable for `nparams` values (either
+ * may be NULL when `nparams` is 0); `compression` is NULL or a NUL-terminated string.
+ */
+enum braid_result braid_buckets_create(struct braid_buckets **out,
+                                       struct braid_comm *comm,
+                                       size_t nparams,
+                                       const size_t *counts,
+                                       const braid_dtype *dtypes,
+                                       braid_redop op,
+                                       size_t bucket_bytes,
+                                       const char *compression,
+                                       uint32_t flags);
+
+/**
+ * Hands over parameter `param`'s gradient for this step: `count` elements of `dtype` at `grad`, copied
+ * into its bucket before this returns; a bucket whose gradients are now all in starts its all-reduce
+ * (after the buckets before it). `result` (nullable; may be `grad`) is where `braid_buckets_finish`
+ * writes the reduced gradient. A parameter that does not exist, a count or dtype other than the
+ * registered ones, or a second mark in one step is `BRAID_INVALID_ARGUMENT` and changes nothing.
+ *
+ * # Safety
+ * `grad` is readable for `count` elements; `result` is NULL or writable for `count` elements, and stays
+ * so, untouched by anyone else, until `braid_buckets_finish` returns.
+ */
+enum braid_result braid_buckets_mark_ready(struct braid_buckets *buckets,
+                                           size_t param,
+                                           const void *grad,
+                                           size_t count,
+                                           braid_dtype dtype,
+                                           void *result);
+
+/**
+ * Waits for every bucket of this step and writes each reduced gradient where its
+ * `braid_buckets_mark_ready` said; after the first step, rebuilds the buckets in the order the gradients
+ * arrived on rank 0. A failed collective is returned (the communicator is then unusable); a parameter
+ * not marked ready fails the step on every rank, unless `BRAID_BUCKETS_UNUSED_AS_ZERO`.
+ *
+ * # Safety
+ * The `result` buffers given this step are valid as `braid_buckets_mark_ready` requires.
+ */
+enum braid_result braid_buckets_finish(struct braid_buckets *buckets);
+
+/**
+ * Copies parameter `param`'s reduced gradient of the last step (`count` elements of `dtype`, as
+ * registered) to `out`.
+ *
+ * # Safety
+ * `out` is writable for `count` elements.
+ */
+enum braid_result braid_buckets_gradient(struct braid_buckets *buckets,
+                                         size_t param,
+                                         void *out,
+                                         size_t count,
+                                         braid_dtype dtype);
+
+/**
+ * The current layout: `bucket_of[i]` (nullable; `nparams` entries) receives parameter `i`'s bucket
+ * (buckets start in index order) and `nbuckets` (nullable) the number of buckets.
+ *
+ * # Safety
+ * `bucket_of` is NULL or writable for `nparams` values; `nbuckets` is NULL or writable.
+ */
+enum braid_result braid_buckets_layout(struct braid_buckets *buckets,
+                                       size_t *bucket_of,
+                                       size_t nparams,
+                                       size_t *nbuckets);
+
+/**
+ * Releases the buckets (and their hold on the communicator). NULL does nothing; a destroyed handle is
+ * `BRAID_INVALID_ARGUMENT`. Buckets in flight still complete first (bounded by the timeout).
+ *
+ * # Safety
+ * None beyond passing a handle value.
+ */
+enum braid_result braid_buckets_destroy(struct braid_buckets *buckets);
 
 /**
  * All-reduce of `count` elements from `sendbuf` into `recvbuf` on every rank; in place when

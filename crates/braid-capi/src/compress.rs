@@ -194,6 +194,22 @@ unsafe fn read_layers(
         .collect()
 }
 
+/// The compression configuration `text` (not NULL) gives, in the grammar of `BRAID_COMPRESS`; `arg`
+/// names the argument in errors.
+///
+/// # Safety
+/// `text` is a NUL-terminated string.
+pub(crate) unsafe fn config_of(text: *const c_char, arg: &str) -> Result<CompressionConfig, Error> {
+    // SAFETY: the caller promises a NUL-terminated string.
+    let text = unsafe { CStr::from_ptr(text) }
+        .to_str()
+        .map_err(|_| invalid(format!("{arg} is not UTF-8")))?;
+    text.parse::<CompressionConfig>().map_err(|e| match e {
+        braid_rt::Error::InvalidArgument(m) => invalid(format!("{arg}: {m}")),
+        other => other,
+    })
+}
+
 /// The body of both create functions: every argument is checked before the handle is made.
 ///
 /// # Safety
@@ -211,13 +227,7 @@ unsafe fn create(
         CompressionConfig::from_env()?
     } else {
         // SAFETY: not NULL, and the caller promises a NUL-terminated string.
-        let text = unsafe { CStr::from_ptr(codec_spec) }
-            .to_str()
-            .map_err(|_| invalid("codec_spec is not UTF-8"))?;
-        text.parse::<CompressionConfig>().map_err(|e| match e {
-            braid_rt::Error::InvalidArgument(m) => invalid(format!("codec_spec: {m}")),
-            other => other,
-        })?
+        unsafe { config_of(codec_spec, "codec_spec") }?
     };
     match error_feedback {
         -1 => {}

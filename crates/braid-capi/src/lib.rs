@@ -20,6 +20,7 @@
 // The types keep their C names (`braid_comm`, `braid_result`, ...) so the generated header reads as C.
 #![allow(non_camel_case_types)]
 
+mod buckets;
 mod collectives;
 mod compress;
 mod device;
@@ -36,6 +37,7 @@ use braid_rt::{Communicator, Config, Error, UniqueId};
 
 use crate::guard::{guard, guard_value, invalid, last_error_ptr, set_last_error};
 
+pub use buckets::*;
 pub use collectives::*;
 pub use compress::*;
 pub use work::*;

@@ -388,6 +388,11 @@ impl GradientBuckets {
         Ok(())
     }
 
+    /// The parameters as registered: `(length in elements, dtype)`.
+    pub fn params(&self) -> &[(usize, DType)] {
+        &self.params
+    }
+
     /// The parameters of each bucket, in bucket (launch) order.
     pub fn layout(&self) -> Vec<Vec<usize>> {
         self.buckets.iter().map(|b| b.params.clone()).collect()

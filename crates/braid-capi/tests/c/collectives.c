@@ -468,6 +468,85 @@ static void async_more(braid_comm *comm, int rank) {
   g_checks += 8;
 }
 
+/* Gradient buckets: three parameters in two buckets, marked in a rank-dependent order, the results
+ * written in place by finish; the layout, refusals, a second step after the rebuild, and compressed
+ * buckets (fp16 of small integers: exact). */
+static void buckets(braid_comm *comm, int rank) {
+  size_t counts[3] = {1000, 17, 5};
+  braid_dtype dtypes[3] = {BRAID_FLOAT32, BRAID_INT32, BRAID_FLOAT64};
+  braid_buckets *b = NULL;
+  EXPECT(braid_buckets_create(&b, comm, 3, counts, dtypes, BRAID_SUM, 0, NULL, 8) == BRAID_INVALID_ARGUMENT,
+         "unknown bucket flags were not refused");
+  CHECK(braid_buckets_create(&b, comm, 3, counts, dtypes, BRAID_SUM, 4096, NULL, 0));
+  size_t nb = 0, of[3] = {9, 9, 9};
+  CHECK(braid_buckets_layout(b, of, 3, &nb));
+  EXPECT(nb == 3 && of[2] == 0 && of[1] == 1 && of[0] == 2, "layout: %zu buckets, %zu %zu %zu", nb, of[0], of[1],
+         of[2]);
+  float *f = malloc(1000 * 4);
+  int32_t i32[17];
+  double f64[5];
+  for (int step = 0; step < 2; step++) {
+    for (size_t i = 0; i < 1000; i++) f[i] = (float)(rank + (int)i % 7 + step);
+    for (size_t i = 0; i < 17; i++) i32[i] = rank * 3 + (int32_t)i;
+    for (size_t i = 0; i < 5; i++) f64[i] = rank + 0.5 * (double)i;
+    EXPECT(braid_buckets_mark_ready(b, 3, f, 1000, BRAID_FLOAT32, f) == BRAID_INVALID_ARGUMENT,
+           "parameter 3 of 3 was not refused");
+    EXPECT(braid_buckets_mark_ready(b, 0, f, 1000, BRAID_FLOAT64, f) == BRAID_INVALID_ARGUMENT,
+           "a gradient of the wrong dtype was not refused");
+    if (rank % 2) {
+      CHECK(braid_buckets_mark_ready(b, 0, f, 1000, BRAID_FLOAT32, f));
+      CHECK(braid_buckets_mark_ready(b, 1, i32, 17, BRAID_INT32, i32));
+      CHECK(braid_buckets_mark_ready(b, 2, f64, 5, BRAID_FLOAT64, f64));
+    } else {
+      CHECK(braid_buckets_mark_ready(b, 2, f64, 5, BRAID_FLOAT64, f64));
+      CHECK(braid_buckets_mark_ready(b, 1, i32, 17, BRAID_INT32, i32));
+      CHECK(braid_buckets_mark_ready(b, 0, f, 1000, BRAID_FLOAT32, NULL));
+    }
+    EXPECT(braid_buckets_mark_ready(b, 1, i32, 17, BRAID_INT32, i32) == BRAID_INVALID_ARGUMENT,
+           "a second mark in one step was not refused");
+    CHECK(braid_buckets_finish(b));
+    int w = g_world, rs = w * (w - 1) / 2;
+    for (size_t i = 0; i < 17; i++)
+      EXPECT(i32[i] == 3 * rs + w * (int32_t)i, "step %d: bucketed int32 %zu is %d", step, i, i32[i]);
+    for (size_t i = 0; i < 5; i++)
+      EXPECT(f64[i] == rs + w * 0.5 * (double)i, "step %d: bucketed double %zu is %g", step, i, f64[i]);
+    float *g = rank % 2 ? f : malloc(1000 * 4);
+    if (!(rank % 2)) CHECK(braid_buckets_gradient(b, 0, g, 1000, BRAID_FLOAT32));
+    for (size_t i = 0; i < 1000; i++)
+      EXPECT(g[i] == (float)(rs + w * ((int)i % 7 + step)), "step %d: bucketed float %zu is %g", step, i, g[i]);
+    if (g != f) free(g);
+  }
+  /* Rank 0 marked 2, 1, 0 (the first layout's order): the rebuild keeps three buckets. */
+  CHECK(braid_buckets_layout(b, NULL, 0, &nb));
+  EXPECT(nb == 3, "%zu buckets after the rebuild", nb);
+  CHECK(braid_buckets_destroy(b));
+  EXPECT(braid_buckets_finish(b) == BRAID_INVALID_ARGUMENT, "a destroyed bucket handle was accepted");
+  /* Compressed: every bucket through its own fp16 compressor. */
+  braid_dtype floats[3] = {BRAID_FLOAT32, BRAID_FLOAT32, BRAID_FLOAT32};
+  EXPECT(braid_buckets_create(&b, comm, 3, counts, dtypes, BRAID_SUM, 4096, "fp16", 0) == BRAID_INVALID_ARGUMENT,
+         "compressed buckets of int32 were not refused");
+  EXPECT(braid_buckets_create(&b, comm, 3, counts, floats, BRAID_SUM, 4096, "nonsense", 0) == BRAID_INVALID_ARGUMENT,
+         "a bad compression text was not refused");
+  CHECK(braid_buckets_create(&b, comm, 3, counts, floats, BRAID_SUM, 2048, "fp16", 0));
+  float *p[3];
+  for (int k = 0; k < 3; k++) {
+    p[k] = malloc(counts[k] * 4);
+    for (size_t i = 0; i < counts[k]; i++) p[k][i] = (float)(rank + k + (int)(i % 5));
+  }
+  for (int k = 2; k >= 0; k--) CHECK(braid_buckets_mark_ready(b, (size_t)k, p[k], counts[k], BRAID_FLOAT32, p[k]));
+  CHECK(braid_buckets_finish(b));
+  for (int k = 0; k < 3; k++) {
+    for (size_t i = 0; i < counts[k]; i++) {
+      float want = (float)(g_world * (g_world - 1) / 2 + g_world * (k + (int)(i % 5)));
+      EXPECT(p[k][i] == want, "compressed bucket: parameter %d element %zu is %g, expected %g", k, i, p[k][i], want);
+    }
+    free(p[k]);
+  }
+  CHECK(braid_buckets_destroy(b));
+  free(f);
+  g_checks += 6;
+}
+
 int main(void) {
   const char *root = getenv("BRAID_ROOT"), *secret = getenv("BRAID_SECRET");
   const char *rank_s = getenv("BRAID_RANK"), *world_s = getenv("BRAID_WORLD_SIZE");
@@ -503,6 +582,7 @@ int main(void) {
   async_variants(comm, g_rank);
   async_more(comm, g_rank);
   bitwise(comm, g_rank);
+  buckets(comm, g_rank);
   CHECK(braid_barrier(comm, NULL));
 
   braid_result async_rc = BRAID_INTERNAL;
