@@ -32,6 +32,7 @@ __all__ = [
     "UniqueId",
     "Work",
     "Compressor",
+    "Buckets",
     "Registration",
     "BraidError",
     "InvalidArgumentError",
@@ -278,6 +279,20 @@ for _name, _args in {
     _f = getattr(_lib, _name)
     _f.argtypes = _args
     _f.restype = _i
+for _name, _args in {
+    "braid_buckets_create": [_pp, _p, _sz, ctypes.POINTER(_sz), ctypes.POINTER(_i), _i, _sz, ctypes.c_char_p,
+                             ctypes.c_uint32],
+    "braid_buckets_mark_ready": [_p, _sz, _p, _sz, _i, _p],
+    "braid_buckets_finish": [_p],
+    "braid_buckets_gradient": [_p, _sz, _p, _sz, _i],
+    "braid_buckets_layout": [_p, ctypes.POINTER(_sz), ctypes.POINTER(_sz), _sz, ctypes.POINTER(_sz)],
+    "braid_buckets_destroy": [_p],
+}.items():
+    _f = getattr(_lib, _name)
+    _f.argtypes = _args
+    _f.restype = _i
+_BUCKETS_NO_REBUILD = 1
+_BUCKETS_UNUSED_AS_ZERO = 2
 _lib.braid_get_error_string.argtypes = [_i]
 _lib.braid_get_error_string.restype = ctypes.c_char_p
 _lib.braid_get_last_error_message.argtypes = []
@@ -739,6 +754,106 @@ class Compressor(_Closes):
             h, self._h = self._h, None
             _check(_lib.braid_compressor_destroy(h))
 
+
+
+class Buckets(_Closes):
+    """Gradient buckets: many gradients fused into few all-reduces that start during the backward pass, as
+    PyTorch DDP's reducer and Horovod's tensor fusion do, for any framework.
+
+    ``params`` lists every parameter as ``(count, dtype)`` in the order the model lists them, the same on
+    every rank. Buckets hold consecutive parameters of one dtype, in reverse order, at most
+    ``bucket_bytes`` bytes each (None: ``BRAID_BUCKET_BYTES``, 25 MiB); the first at most 1 MiB. Each step,
+    hand every gradient over as soon as it exists (:meth:`mark_ready`): it is copied into its bucket, and a
+    full bucket starts its all-reduce (``op``) at once, after the buckets before it, on the communicator's
+    last stream at high priority. :meth:`finish` waits for the rest and writes each result where
+    :meth:`mark_ready` said. After the first step the buckets are rebuilt in the order the gradients came on
+    rank 0 (``rebuild=False`` keeps the first layout).
+
+    ``compression`` (e.g. ``"topk:0.01"``, ``"int8"``; the grammar of ``BRAID_COMPRESS``) compresses every
+    bucket of float32 parameters with its own compressor, ``op`` ``"sum"`` or ``"avg"``; the rebuild keeps
+    every parameter's error feedback. Those all-reduces run on a helper thread which owns the communicator
+    from a step's first :meth:`mark_ready` until :meth:`finish` returns (no other calls on it meanwhile).
+
+    A parameter not marked by :meth:`finish` fails the step on every rank, unless ``unused_as_zero``."""
+
+    def __init__(self, comm, params, op="avg", bucket_bytes=None, compression=None, rebuild=True,
+                 unused_as_zero=False):
+        params = [(int(n), _dtype_code(d)) for n, d in params]
+        self._n = len(params)
+        counts = (_sz * self._n)(*[n for n, _ in params])
+        codes = (_i * self._n)(*[d for _, d in params])
+        flags = (0 if rebuild else _BUCKETS_NO_REBUILD) | (_BUCKETS_UNUSED_AS_ZERO if unused_as_zero else 0)
+        spec = None if compression is None else str(compression).encode()
+        h = ctypes.c_void_p()
+        _check(_lib.braid_buckets_create(ctypes.byref(h), comm.handle, self._n, counts, codes, _op_code(op),
+                                         int(bucket_bytes or 0), spec, flags))
+        self._h, self._comm, self._keep = h, comm, {}
+        self.params = params
+
+    @property
+    def handle(self):
+        if not self._h:
+            raise InvalidArgumentError("braid: the buckets are closed", 1)
+        return self._h
+
+    def mark_ready(self, param, grad, out=None):
+        """Hands over parameter ``param``'s gradient (a C-contiguous numpy array of its count and dtype),
+        copied before this returns. ``out`` (default: ``grad`` if writeable, else none) receives the reduced
+        gradient at :meth:`finish`; it stays referenced until then. Refused, changing nothing, for a
+        parameter that does not exist, another count or dtype, or a second mark in one step."""
+        _array(grad, "grad")
+        if out is None and grad.flags.writeable:
+            out = grad
+        if out is not None:
+            _array(out, "out", writeable=True)
+            _same_kind(grad, out, "mark_ready")
+            if out.size != grad.size:
+                raise ValueError(f"braid: mark_ready: out has {out.size} elements, grad {grad.size}")
+        self._mark(param, grad.ctypes.data, grad.size, _dtype_code(grad.dtype),
+                   None if out is None else out.ctypes.data, out)
+
+    def _mark(self, param, ptr, count, code, out_ptr, keep):
+        """:meth:`mark_ready` on raw addresses; ``keep`` stays referenced until :meth:`finish`."""
+        _check(_lib.braid_buckets_mark_ready(self.handle, int(param), ctypes.c_void_p(ptr or None), int(count),
+                                             code, ctypes.c_void_p(out_ptr or None)))
+        if keep is not None:
+            self._keep[int(param)] = keep
+
+    def finish(self):
+        """Waits for every bucket of this step and writes the results; raises a braid error if a collective
+        failed (the communicator is then unusable) or a parameter was not marked."""
+        try:
+            _check(_lib.braid_buckets_finish(self.handle))
+        finally:
+            self._keep = {}
+
+    def gradient(self, param, out=None):
+        """Parameter ``param``'s reduced gradient of the last step, copied into ``out`` (allocated if None)."""
+        n, code = self.params[param]
+        if out is None:
+            dt = next((d for d, c in _DTYPES.items() if c == code), None)
+            if dt is None:
+                raise TypeError("braid: gradient: give an out array for bfloat16 parameters")
+            out = np.empty(n, dtype=dt)
+        _array(out, "out", writeable=True)
+        _check(_lib.braid_buckets_gradient(self.handle, int(param), _ptr(out), out.size, _dtype_code(out.dtype)))
+        return out
+
+    def layout(self):
+        """The parameters of each bucket, in the order the buckets start."""
+        order, of = (_sz * max(self._n, 1))(), (_sz * max(self._n, 1))()
+        nb = _sz()
+        _check(_lib.braid_buckets_layout(self.handle, order, of, self._n, ctypes.byref(nb)))
+        out = [[] for _ in range(nb.value)]
+        for i in range(self._n):
+            out[of[order[i]]].append(order[i])
+        return out
+
+    def close(self):
+        if self._h:
+            h, self._h = self._h, None
+            self._keep = {}
+            _check(_lib.braid_buckets_destroy(h))
 
 
 class Registration(_Closes):

@@ -269,6 +269,54 @@ class Collectives(unittest.TestCase):
         self.comm.barrier_async().wait()
         self.comm.barrier()
 
+    def test_buckets(self):
+        params = [(1000, np.float32), (17, np.int32), (0, np.float32), (5, np.float64), (3000, np.float32)]
+        b = braid.Buckets(self.comm, params, op="sum", bucket_bytes=4096)
+        self.assertEqual(b.layout(), [[4], [3], [2], [1], [0]])
+        rs = self.world * (self.world - 1) // 2
+        for step in range(3):
+            grads = [np.arange(n, dtype=d) + self.rank + step for n, d in params]
+            # Every rank its own order; rank 0 registration order, which the rebuild then follows.
+            order = list(range(len(params))) if self.rank == 0 else [4, 1, 3, 0, 2]
+            kept = grads[1].copy()
+            outs = {}
+            for p in order:
+                if p == 1:
+                    b.mark_ready(p, kept, out=np.zeros_like(kept))
+                    outs[p] = b._keep[p]
+                else:
+                    b.mark_ready(p, grads[p])
+            with self.assertRaises(braid.InvalidArgumentError) as e:
+                b.mark_ready(0, grads[0])
+            self.assertIn("already marked ready", str(e.exception))
+            b.finish()
+            for p, (n, d) in enumerate(params):
+                want = (self.world * np.arange(n) + rs + self.world * step).astype(d)
+                got = outs.get(p, grads[p])
+                np.testing.assert_array_equal(got, want, err_msg=f"step {step} parameter {p}")
+                np.testing.assert_array_equal(b.gradient(p), want)
+            np.testing.assert_array_equal(kept, grads[1], err_msg="the gradient given with an out changed")
+        self.assertEqual(b.layout(), [[0], [1], [2], [3], [4]])
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            b.mark_ready(9, grads[0])
+        self.assertIn("parameter 9 does not exist", str(e.exception))
+        with self.assertRaises(braid.InvalidArgumentError):
+            b.mark_ready(0, grads[0].astype(np.float64))
+        b.close()
+        with self.assertRaises(braid.InvalidArgumentError):
+            b.finish()
+        # Compressed, fp16 of small integers (exact), averaged.
+        with braid.Buckets(self.comm, [(100, np.float32), (7, np.float32)], op="avg", compression="fp16") as c:
+            g = [np.full(100, 2.0 * self.rank, np.float32), np.full(7, 4.0, np.float32)]
+            c.mark_ready(1, g[1])
+            c.mark_ready(0, g[0])
+            c.finish()
+            np.testing.assert_array_equal(g[0], np.full(100, self.world - 1.0, np.float32))
+            np.testing.assert_array_equal(g[1], np.full(7, 4.0, np.float32))
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            braid.Buckets(self.comm, [(4, np.int32)], compression="topk:0.1")
+        self.assertIn("compression takes f32 gradients", str(e.exception))
+
     def test_compressed(self):
         n = 2048
         i = np.arange(n)

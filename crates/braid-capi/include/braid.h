@@ -628,13 +628,16 @@ enum braid_result braid_buckets_gradient(struct braid_buckets *buckets,
                                          braid_dtype dtype);
 
 /**
- * The current layout: `bucket_of[i]` (nullable; `nparams` entries) receives parameter `i`'s bucket
- * (buckets start in index order) and `nbuckets` (nullable) the number of buckets.
+ * The current layout. `order` (nullable; `nparams` entries) receives the parameters in layout order
+ * (bucket 0's first, each bucket's in the order they sit in it), `bucket_of` (nullable; `nparams`
+ * entries) each parameter's bucket (buckets start in index order), and `nbuckets` (nullable) the
+ * number of buckets.
  *
  * # Safety
- * `bucket_of` is NULL or writable for `nparams` values; `nbuckets` is NULL or writable.
+ * `order` and `bucket_of` are NULL or writable for `nparams` values; `nbuckets` is NULL or writable.
  */
 enum braid_result braid_buckets_layout(struct braid_buckets *buckets,
+                                       size_t *order,
                                        size_t *bucket_of,
                                        size_t nparams,
                                        size_t *nbuckets);

@@ -232,14 +232,17 @@ pub unsafe extern "C" fn braid_buckets_gradient(
     })
 }
 
-/// The current layout: `bucket_of[i]` (nullable; `nparams` entries) receives parameter `i`'s bucket
-/// (buckets start in index order) and `nbuckets` (nullable) the number of buckets.
+/// The current layout. `order` (nullable; `nparams` entries) receives the parameters in layout order
+/// (bucket 0's first, each bucket's in the order they sit in it), `bucket_of` (nullable; `nparams`
+/// entries) each parameter's bucket (buckets start in index order), and `nbuckets` (nullable) the
+/// number of buckets.
 ///
 /// # Safety
-/// `bucket_of` is NULL or writable for `nparams` values; `nbuckets` is NULL or writable.
+/// `order` and `bucket_of` are NULL or writable for `nparams` values; `nbuckets` is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn braid_buckets_layout(
     buckets: *mut braid_buckets,
+    order: *mut usize,
     bucket_of: *mut usize,
     nparams: usize,
     nbuckets: *mut usize,
@@ -248,23 +251,36 @@ pub unsafe extern "C" fn braid_buckets_layout(
         let b = buckets_of(buckets)?;
         let b = b.lock().unwrap_or_else(|e| e.into_inner());
         let layout = b.buckets.layout();
-        if !bucket_of.is_null() {
-            let have = b.results.len();
-            if nparams != have {
-                return Err(invalid(format!(
-                    "nparams {nparams}: the buckets hold {have} parameters"
-                )));
-            }
-            let r = Region::new(bucket_of.cast(), have * size_of::<usize>(), "bucket_of")?;
-            // SAFETY: writable for `nparams` values per the contract.
-            let out = unsafe { r.bytes_mut() };
-            for (k, members) in layout.iter().enumerate() {
-                for &p in members {
-                    out[p * size_of::<usize>()..(p + 1) * size_of::<usize>()]
-                        .copy_from_slice(&k.to_ne_bytes());
-                }
-            }
+        let have = b.results.len();
+        if (!order.is_null() || !bucket_of.is_null()) && nparams != have {
+            return Err(invalid(format!(
+                "nparams {nparams}: the buckets hold {have} parameters"
+            )));
         }
+        let write =
+            |to: *mut usize, arg: &str, values: &mut dyn Iterator<Item = (usize, usize)>| {
+                if to.is_null() {
+                    return Ok(());
+                }
+                let r = Region::new(to.cast(), have * size_of::<usize>(), arg)?;
+                // SAFETY: writable for `nparams` values per the contract (nparams checked above).
+                let out = unsafe { r.bytes_mut() };
+                for (at, v) in values {
+                    out[at * size_of::<usize>()..(at + 1) * size_of::<usize>()]
+                        .copy_from_slice(&v.to_ne_bytes());
+                }
+                Ok::<(), Error>(())
+            };
+        let flat = layout
+            .iter()
+            .enumerate()
+            .flat_map(|(k, m)| m.iter().map(move |&p| (k, p)));
+        write(
+            order,
+            "order",
+            &mut flat.clone().enumerate().map(|(i, (_, p))| (i, p)),
+        )?;
+        write(bucket_of, "bucket_of", &mut flat.map(|(k, p)| (p, k)))?;
         if !nbuckets.is_null() {
             // SAFETY: not NULL; writable per the contract.
             unsafe { write_out(nbuckets, layout.len(), "nbuckets") }?;

@@ -478,10 +478,12 @@ static void buckets(braid_comm *comm, int rank) {
   EXPECT(braid_buckets_create(&b, comm, 3, counts, dtypes, BRAID_SUM, 0, NULL, 8) == BRAID_INVALID_ARGUMENT,
          "unknown bucket flags were not refused");
   CHECK(braid_buckets_create(&b, comm, 3, counts, dtypes, BRAID_SUM, 4096, NULL, 0));
-  size_t nb = 0, of[3] = {9, 9, 9};
-  CHECK(braid_buckets_layout(b, of, 3, &nb));
+  size_t nb = 0, of[3] = {9, 9, 9}, order[3] = {9, 9, 9};
+  CHECK(braid_buckets_layout(b, order, of, 3, &nb));
   EXPECT(nb == 3 && of[2] == 0 && of[1] == 1 && of[0] == 2, "layout: %zu buckets, %zu %zu %zu", nb, of[0], of[1],
          of[2]);
+  EXPECT(order[0] == 2 && order[1] == 1 && order[2] == 0, "layout order %zu %zu %zu", order[0], order[1], order[2]);
+  EXPECT(braid_buckets_layout(b, order, NULL, 2, NULL) == BRAID_INVALID_ARGUMENT, "a short order array was accepted");
   float *f = malloc(1000 * 4);
   int32_t i32[17];
   double f64[5];
@@ -517,7 +519,7 @@ static void buckets(braid_comm *comm, int rank) {
     if (g != f) free(g);
   }
   /* Rank 0 marked 2, 1, 0 (the first layout's order): the rebuild keeps three buckets. */
-  CHECK(braid_buckets_layout(b, NULL, 0, &nb));
+  CHECK(braid_buckets_layout(b, NULL, NULL, 0, &nb));
   EXPECT(nb == 3, "%zu buckets after the rebuild", nb);
   CHECK(braid_buckets_destroy(b));
   EXPECT(braid_buckets_finish(b) == BRAID_INVALID_ARGUMENT, "a destroyed bucket handle was accepted");
