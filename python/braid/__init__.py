@@ -760,8 +760,8 @@ class Buckets(_Closes):
     """Gradient buckets: many gradients fused into few all-reduces that start during the backward pass, as
     PyTorch DDP's reducer and Horovod's tensor fusion do, for any framework.
 
-    ``params`` lists every parameter as ``(count, dtype)`` in the order the model lists them, the same on
-    every rank. Buckets hold consecutive parameters of one dtype, in reverse order, at most
+    ``params`` lists every parameter as ``(count, dtype)`` (a numpy dtype or a braid dtype code) in the
+    order the model lists them, the same on every rank. Buckets hold consecutive parameters of one dtype, in reverse order, at most
     ``bucket_bytes`` bytes each (None: ``BRAID_BUCKET_BYTES``, 25 MiB); the first at most 1 MiB. Each step,
     hand every gradient over as soon as it exists (:meth:`mark_ready`): it is copied into its bucket, and a
     full bucket starts its all-reduce (``op``) at once, after the buckets before it, on the communicator's
@@ -778,7 +778,7 @@ class Buckets(_Closes):
 
     def __init__(self, comm, params, op="avg", bucket_bytes=None, compression=None, rebuild=True,
                  unused_as_zero=False):
-        params = [(int(n), _dtype_code(d)) for n, d in params]
+        params = [(int(n), d if isinstance(d, int) else _dtype_code(d)) for n, d in params]
         self._n = len(params)
         counts = (_sz * self._n)(*[n for n, _ in params])
         codes = (_i * self._n)(*[d for _, d in params])

@@ -26,6 +26,7 @@ Not (yet) supported, each raising a ``RuntimeError`` that says so: point-to-poin
 """
 
 import atexit
+import contextlib
 import datetime
 import ipaddress
 import os
@@ -42,7 +43,7 @@ from torch.futures import Future
 import braid
 from braid import _check, _lib
 
-__all__ = ["BraidBackend", "NAME", "CompressionState", "compressed_hook"]
+__all__ = ["BraidBackend", "NAME", "CompressionState", "compressed_hook", "GradientBuckets"]
 
 NAME = "braid"
 
@@ -609,13 +610,7 @@ class CompressionState:
         self.stats = {}
 
     def communicator(self):
-        pg = self.process_group or dist.distributed_c10d._get_default_group()
-        backend = pg._get_backend(torch.device("cpu"))
-        if not isinstance(backend, BraidBackend):
-            raise RuntimeError(
-                "braid: compressed_hook needs a process group whose backend is braid "
-                "(dist.init_process_group(\"braid\") or new_group(backend=\"braid\"))")
-        return backend._comm
+        return _communicator(self.process_group, "compressed_hook")
 
     def compressor(self, param):
         c = self.compressors.get(param)
@@ -623,6 +618,83 @@ class CompressionState:
             c = braid.Compressor(param.numel(), self.codec, self.error_feedback, layers=[tuple(param.shape)])
             self.compressors[param] = c
         return c
+
+
+def _communicator(process_group, what):
+    """The braid communicator behind ``process_group`` (default: the default group)."""
+    pg = process_group or dist.distributed_c10d._get_default_group()
+    backend = pg._get_backend(torch.device("cpu"))
+    if not isinstance(backend, BraidBackend):
+        raise RuntimeError(
+            f"braid: {what} needs a process group whose backend is braid "
+            "(dist.init_process_group(\"braid\") or new_group(backend=\"braid\"))")
+    return backend._comm
+
+
+class GradientBuckets:
+    """Bucketed gradient all-reduce that overlaps the backward pass, for a training loop without DDP
+    (braid's :class:`braid.Buckets` driven by autograd): each parameter's gradient is handed to braid the
+    moment autograd has accumulated it (a post-accumulate-grad hook), a full bucket starts its all-reduce
+    on braid's high-priority stream while backward goes on, and :meth:`finish` (call it after
+    ``loss.backward()``, before ``optimizer.step()``) waits for the rest and writes the reduced gradients
+    into ``p.grad``. After the first step the buckets follow the order backward produced the gradients.
+
+    ``op`` is ``"avg"`` (default) or ``"sum"``; ``bucket_bytes`` caps a bucket (None:
+    ``BRAID_BUCKET_BYTES``, 25 MiB); ``compression`` (``"topk:0.01"``, ``"int8"``, ...) compresses every
+    bucket with error feedback kept per parameter across the rebuild; ``unused_as_zero`` lets a
+    parameter without a gradient count as zeros (otherwise the step fails on every rank). Contiguous CPU
+    gradients; every rank registers the same parameters. :meth:`no_sync` skips the all-reduce for gradient
+    accumulation steps; :meth:`remove` takes the hooks off."""
+
+    def __init__(self, parameters, process_group=None, op="avg", bucket_bytes=None, compression=None,
+                 rebuild=True, unused_as_zero=False):
+        self.params = [p for p in parameters if p.requires_grad]
+        comm = _communicator(process_group, "GradientBuckets")
+        specs = []
+        for i, p in enumerate(self.params):
+            if p.device.type != "cpu":
+                raise RuntimeError(f"braid: GradientBuckets: parameter {i} is on {p.device} (CPU tensors only)")
+            code, mult = _dtype(p, "GradientBuckets")
+            specs.append((p.numel() * mult, code))
+        self.buckets = braid.Buckets(comm, specs, op=op, bucket_bytes=bucket_bytes, compression=compression,
+                                     rebuild=rebuild, unused_as_zero=unused_as_zero)
+        self._sync = True
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.params)]
+
+    def _hook(self, i):
+        def ready(p):
+            if not self._sync:
+                return
+            g = p.grad
+            if not g.is_contiguous() or g.device.type != "cpu":
+                raise RuntimeError(f"braid: GradientBuckets: parameter {i}'s gradient is not a contiguous CPU tensor")
+            count, code = self.buckets.params[i]
+            self.buckets._mark(i, g.data_ptr(), count, code, g.data_ptr(), g)
+        return ready
+
+    def finish(self):
+        """Waits for every bucket of this step and writes the reduced gradients into ``p.grad``."""
+        self.buckets.finish()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside this block accumulate gradients locally, without all-reducing them."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def layout(self):
+        """The parameters (indices into the registered list) of each bucket, in the order they start."""
+        return self.buckets.layout()
+
+    def remove(self):
+        """Takes the hooks off and releases the buckets."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.buckets.close()
 
 
 def compressed_hook(state, bucket):

@@ -257,3 +257,21 @@ fn compressed_ddp_hook_keeps_error_feedback_per_parameter() {
         "DDP with braid's compressed hook, 2 ranks",
     );
 }
+
+#[test]
+fn torch_gradient_buckets_train_like_one_model_and_compressed_ones_agree() {
+    if !python_with_torch() {
+        return;
+    }
+    for n in [2, 4] {
+        let out = torchrun(n, "python/tests/torch_buckets.py", &[]);
+        assert_every_rank(
+            &out,
+            n,
+            "buckets ok",
+            &format!("GradientBuckets, {n} ranks"),
+        );
+    }
+    let out = torchrun(2, "python/tests/torch_buckets.py", &["topk:0.2"]);
+    assert_every_rank(&out, 2, "buckets ok", "compressed GradientBuckets, 2 ranks");
+}
