@@ -17,6 +17,7 @@ Arrays must be C-contiguous numpy arrays (a receive array also writeable). Every
 subclass of :class:`BraidError` chosen by braid's result code, carrying braid's message.
 """
 
+import contextlib
 import ctypes
 import ctypes.util
 import itertools
@@ -47,6 +48,7 @@ __all__ = [
     "BraidOutOfMemoryError",
     "version",
     "library_path",
+    "timeline_now",
 ]
 
 # ---------------------------------------------------------------------------------------------------
@@ -287,6 +289,9 @@ for _name, _args in {
     "braid_buckets_gradient": [_p, _sz, _p, _sz, _i],
     "braid_buckets_layout": [_p, ctypes.POINTER(_sz), ctypes.POINTER(_sz), _sz, ctypes.POINTER(_sz)],
     "braid_buckets_destroy": [_p],
+    "braid_timeline_now": [ctypes.POINTER(ctypes.c_uint64)],
+    "braid_timeline_event": [_p, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_uint64],
+    "braid_timeline_flush": [_p],
 }.items():
     _f = getattr(_lib, _name)
     _f.argtypes = _args
@@ -310,6 +315,13 @@ def version():
     v = _i()
     _check(_lib.braid_get_version(ctypes.byref(v)))
     return v.value
+
+
+def timeline_now():
+    """The host's monotonic clock in nanoseconds, the clock of the timeline (``BRAID_TIMELINE``)."""
+    ns = ctypes.c_uint64()
+    _check(_lib.braid_timeline_now(ctypes.byref(ns)))
+    return ns.value
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1173,6 +1185,26 @@ class Communicator(_Closes):
         out["path"] = _PATHS[st.path] if 0 <= st.path < len(_PATHS) else st.path
         out["output"] = "momentum" if st.output == 1 else "gradient"
         return out
+
+    # -- timeline ----------------------------------------------------------------------------------
+
+    def timeline_event(self, name, start_ns, end_ns):
+        """Puts the span ``name`` from ``start_ns`` to ``end_ns`` (:func:`timeline_now` readings) on the
+        timeline's ``compute`` thread, beside braid's collectives; nothing without ``BRAID_TIMELINE``."""
+        _check(_lib.braid_timeline_event(self.handle, str(name).encode(), int(start_ns), int(end_ns)))
+
+    @contextlib.contextmanager
+    def timeline(self, name):
+        """``with comm.timeline("backward"):`` marks the block as a span on the timeline."""
+        start = timeline_now()
+        try:
+            yield
+        finally:
+            self.timeline_event(name, start, timeline_now())
+
+    def timeline_flush(self):
+        """Writes the timeline's file now (it is also written when the communicator is closed)."""
+        _check(_lib.braid_timeline_flush(self.handle))
 
     # -- asynchronous ------------------------------------------------------------------------------
 

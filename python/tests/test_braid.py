@@ -317,6 +317,18 @@ class Collectives(unittest.TestCase):
             braid.Buckets(self.comm, [(4, np.int32)], compression="topk:0.1")
         self.assertIn("compression takes f32 gradients", str(e.exception))
 
+    def test_timeline_markers(self):
+        t0 = braid.timeline_now()
+        with self.comm.timeline("compute"):
+            pass
+        t1 = braid.timeline_now()
+        self.assertGreaterEqual(t1, t0)
+        self.comm.timeline_event("step", t0, t1)
+        with self.assertRaises(braid.InvalidArgumentError) as e:
+            self.comm.timeline_event("step", t1 + 1, t1)
+        self.assertIn("ends", str(e.exception))
+        self.comm.timeline_flush()
+
     def test_compressed(self):
         n = 2048
         i = np.arange(n)

@@ -850,6 +850,36 @@ enum braid_result braid_comm_use_cuda_device(struct braid_comm *comm,
                                              int device);
 
 /**
+ * The host's monotonic clock in nanoseconds, the clock of the timeline (`CLOCK_MONOTONIC`).
+ *
+ * # Safety
+ * `out_ns` is valid for writing a `uint64_t`.
+ */
+enum braid_result braid_timeline_now(uint64_t *out_ns);
+
+/**
+ * Puts the caller's span `name` from `start_ns` to `end_ns` (`braid_timeline_now` readings) on the
+ * timeline's `compute` thread; does nothing when `BRAID_TIMELINE` is not set. An end before the start is
+ * `BRAID_INVALID_ARGUMENT`.
+ *
+ * # Safety
+ * `name` is a NUL-terminated string.
+ */
+enum braid_result braid_timeline_event(struct braid_comm *comm,
+                                       const char *name,
+                                       uint64_t start_ns,
+                                       uint64_t end_ns);
+
+/**
+ * Writes the timeline's file now (it is also written when the communicator is destroyed); does
+ * nothing without `BRAID_TIMELINE`.
+ *
+ * # Safety
+ * None beyond passing a handle value.
+ */
+enum braid_result braid_timeline_flush(struct braid_comm *comm);
+
+/**
  * Queues an all-reduce of `count` elements from `sendbuf` into `recvbuf` (`sendbuf == recvbuf` is
  * fine) on stream 0, without copying. `*out` receives the work handle; free it with `braid_work_free`.
  *

@@ -26,6 +26,7 @@ mod compress;
 mod device;
 mod guard;
 mod registry;
+mod timeline;
 mod work;
 
 use std::ffi::{c_char, c_int, c_void, CStr};
@@ -40,6 +41,7 @@ use crate::guard::{guard, guard_value, invalid, last_error_ptr, set_last_error};
 pub use buckets::*;
 pub use collectives::*;
 pub use compress::*;
+pub use timeline::*;
 pub use work::*;
 
 /// The result of every braid call. `BRAID_SUCCESS` is 0; the other codes are stable.

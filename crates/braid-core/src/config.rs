@@ -59,6 +59,10 @@ pub struct Config {
     pub algo: Option<String>,
     /// Tuning file written by `braid tune` (`BRAID_TUNE_FILE`).
     pub tune_file: Option<std::path::PathBuf>,
+    /// Where each rank writes its timeline of collectives and markers, Chrome trace-event JSON
+    /// (`BRAID_TIMELINE`; `{rank}` in it becomes the rank, else `.rank<r>` goes before the extension).
+    /// `None`: no timeline.
+    pub timeline: Option<std::path::PathBuf>,
     /// Largest all-reduce (bytes) sent with the one-step direct algorithm when braid chooses
     /// (`BRAID_DIRECT_MAX_BYTES`, default 16384).
     pub direct_max_bytes: usize,
@@ -148,6 +152,7 @@ impl Default for Config {
             spin_us: None,
             algo: None,
             tune_file: None,
+            timeline: None,
             direct_max_bytes: 16 * 1024,
             bucket_bytes: 25 << 20,
             debug: DebugLevel::Error,
@@ -346,6 +351,9 @@ impl Config {
         if let Some(v) = lookup("BRAID_ALGO") {
             // Checked by the communicator, which knows the algorithms.
             c.algo = Some(v.trim().to_string()).filter(|v| !v.is_empty());
+        }
+        if let Some(v) = lookup("BRAID_TIMELINE") {
+            c.timeline = Some(std::path::PathBuf::from(v)).filter(|p| !p.as_os_str().is_empty());
         }
         if let Some(v) = lookup("BRAID_TUNE_FILE") {
             c.tune_file = Some(std::path::PathBuf::from(v)).filter(|p| !p.as_os_str().is_empty());

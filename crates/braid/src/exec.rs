@@ -14,6 +14,7 @@ use braid_transport::{Link, Span, Stamp};
 use tracing::{error, trace};
 
 use crate::recorder::Recorder;
+use crate::timeline::{now_ns, Event, Timeline};
 use crate::tune::{Collective, Tuner};
 
 /// Which collective an op runs, with the root of those that have one.
@@ -198,6 +199,17 @@ pub(crate) struct Running {
     run: Run,
     /// When it started, as recorded.
     stamp: Stamp,
+    /// What the timeline will show of it (when there is one).
+    shown: Option<Shown>,
+}
+
+/// A started op as the timeline will show it.
+struct Shown {
+    name: &'static str,
+    count: usize,
+    dtype: DType,
+    algo: Algo,
+    began_ns: u64,
 }
 
 impl Running {
@@ -217,6 +229,8 @@ pub(crate) struct Executor {
     /// The next sequence number of each stream.
     seqs: Vec<u64>,
     pub recorder: Recorder,
+    /// The timeline (`BRAID_TIMELINE`), shared with the communicator for the caller's markers.
+    pub timeline: Option<Arc<Timeline>>,
 }
 
 impl Executor {
@@ -241,6 +255,10 @@ impl Executor {
             Box::new(CpuEngine::new()),
             abort,
         );
+        let timeline = config
+            .timeline
+            .as_deref()
+            .map(|p| Arc::new(Timeline::new(p, rank, config.streams.max(1))));
         Executor {
             rank,
             seqs: vec![0; config.streams.max(1)],
@@ -248,6 +266,7 @@ impl Executor {
             tuner,
             exec,
             recorder: Recorder::default(),
+            timeline,
         }
     }
 
@@ -267,9 +286,14 @@ impl Executor {
         self.seqs.get(stream).copied().unwrap_or(0)
     }
 
-    /// Starts `op` on `stream`. An op refused before anything happened (memory of the wrong kind)
-    /// takes no sequence number.
-    pub(crate) fn start(&mut self, op: &Op, stream: usize) -> Result<Running, Error> {
+    /// Starts `op`, issued at `issued_ns` ([`now_ns`]), on `stream`. An op refused before anything
+    /// happened (memory of the wrong kind) takes no sequence number.
+    pub(crate) fn start(
+        &mut self,
+        op: &Op,
+        stream: usize,
+        issued_ns: u64,
+    ) -> Result<Running, Error> {
         let Some(seq) = self.seqs.get(stream).copied() else {
             return Err(Error::invalid(format!(
                 "stream {stream} does not exist (the communicator has {})",
@@ -293,7 +317,51 @@ impl Executor {
         self.seqs[stream] += 1;
         trace!(rank = self.rank, stream, seq, op = op.kind.name(), count = op.count, dtype = %op.dtype, algo = algo.name(), "run");
         self.recorder.start(stream, seq, op, algo, stamp);
-        Ok(Running { run, stamp })
+        let shown = self.timeline.as_ref().map(|t| {
+            let began_ns = now_ns();
+            if issued_ns != 0 && began_ns > issued_ns {
+                t.push(Event {
+                    name: "queued".into(),
+                    cat: "queue",
+                    tid: stream as u64,
+                    start_ns: issued_ns,
+                    end_ns: began_ns,
+                    args: Default::default(),
+                });
+            }
+            Shown {
+                name: op.kind.name(),
+                count: op.count,
+                dtype: op.dtype,
+                algo,
+                began_ns,
+            }
+        });
+        Ok(Running { run, stamp, shown })
+    }
+
+    /// Puts a finished op on the timeline.
+    fn show(&self, stream: usize, seq: u64, shown: &Shown, result: &Result<(), Error>) {
+        let Some(t) = &self.timeline else { return };
+        let mut args = serde_json::Map::new();
+        args.insert("seq".into(), seq.into());
+        args.insert("count".into(), shown.count.into());
+        args.insert("dtype".into(), shown.dtype.name().into());
+        args.insert("bytes".into(), (shown.count * shown.dtype.size()).into());
+        args.insert("algo".into(), shown.algo.name().into());
+        let outcome = match result {
+            Ok(()) => "ok".to_string(),
+            Err(e) => e.to_string(),
+        };
+        args.insert("result".into(), outcome.into());
+        t.push(Event {
+            name: shown.name.to_string(),
+            cat: "collective",
+            tid: stream as u64,
+            start_ns: shown.began_ns,
+            end_ns: now_ns(),
+            args,
+        });
     }
 
     /// Advances a started op by at most `budget` steps; records how it ended when it does.
@@ -336,6 +404,13 @@ impl Executor {
                 .tuner
                 .pick_cached(op.kind.collective(), op.count * op.dtype.size()),
         };
+        let shown = self.timeline.as_ref().map(|_| Shown {
+            name: op.kind.name(),
+            count: op.count,
+            dtype: op.dtype,
+            algo,
+            began_ns: now_ns(),
+        });
         // An op refused before it starts takes no number and leaves no record.
         let (seqs, recorder) = (&mut self.seqs, &self.recorder);
         let mut on_start = || {
@@ -357,6 +432,9 @@ impl Executor {
         if self.seqs[stream] != seq {
             // It started (and was recorded): record how it ended.
             self.record(stream, seq, stamp, &result);
+            if let Some(shown) = &shown {
+                self.show(stream, seq, shown, &result);
+            }
         }
         result
     }
@@ -377,6 +455,9 @@ impl Executor {
 
     fn finish(&self, r: &Running, result: &Result<(), Error>) {
         self.record(r.run.channel(), r.run.seq(), r.stamp, result);
+        if let Some(shown) = &r.shown {
+            self.show(r.run.channel(), r.run.seq(), shown, result);
+        }
     }
 
     fn record(&self, stream: usize, seq: u64, started: Stamp, result: &Result<(), Error>) {

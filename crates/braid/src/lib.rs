@@ -30,6 +30,7 @@ pub mod recorder;
 mod scope;
 mod secret;
 mod streams;
+pub mod timeline;
 pub mod tune;
 pub mod wire;
 
@@ -50,4 +51,5 @@ pub use job::JobEnv;
 pub use recorder::FlightRecord;
 pub use scope::{Scope, ScopedWork};
 pub use streams::{Priority, StreamEvent, Work};
+pub use timeline::TimelineSpan;
 pub use tune::{Algo, Collective};

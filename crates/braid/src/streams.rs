@@ -71,6 +71,8 @@ pub(crate) struct Task {
     done: Condvar,
     keep: Mutex<Option<Box<dyn Any + Send>>>,
     callback: Mutex<Option<Callback>>,
+    /// When it was issued (the host's monotonic clock), for the timeline's `queued` phase.
+    pub(crate) issued_ns: u64,
 }
 
 impl Task {
@@ -81,6 +83,7 @@ impl Task {
             done: Condvar::new(),
             keep: Mutex::new(keep),
             callback: Mutex::new(None),
+            issued_ns: crate::timeline::now_ns(),
         })
     }
 
@@ -633,7 +636,7 @@ impl Streams {
                         done.push((task, Err(e)));
                         continue;
                     }
-                    match s.exec.start(&task.op, si) {
+                    match s.exec.start(&task.op, si, task.issued_ns) {
                         Ok(r) => s.streams[si].active = Some((task, r, None)),
                         Err(e) => {
                             self.poison(&e);

@@ -488,3 +488,72 @@ fn compressed_buckets_keep_error_feedback_across_the_rebuild() {
         );
     }
 }
+
+#[test]
+fn the_timeline_shows_bucket_all_reduces_on_their_stream_and_the_callers_spans() {
+    let dir = std::env::temp_dir().join(format!("braid-timeline-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let pattern = dir.join("trace.json");
+    let id = braid::UniqueId::new().unwrap();
+    let ranks: Vec<_> = (0..2)
+        .map(|r| {
+            let (id, pattern) = (id.clone(), pattern.clone());
+            std::thread::spawn(move || {
+                let cfg = braid::Config {
+                    timeline: Some(pattern),
+                    ..braid::Config::default()
+                };
+                let c = braid::Communicator::init(2, r, &id, cfg).unwrap();
+                assert!(c.timeline_enabled());
+                let params = vec![(4096, DType::F32); 4];
+                let options = BucketOptions {
+                    bucket_bytes: Some(16384),
+                    first_bucket_bytes: 16384,
+                    ..BucketOptions::default()
+                };
+                let mut b = GradientBuckets::new(&c, &params, options).unwrap();
+                for _ in 0..2 {
+                    let span = c.timeline_span("backward");
+                    for p in (0..4).rev() {
+                        b.mark_ready(p, &vec![1f32; 4096]).unwrap();
+                    }
+                    drop(span);
+                    b.finish().unwrap();
+                }
+                let e = c.timeline_event("bad", 10, 5).unwrap_err();
+                assert!(e.to_string().contains("ends"), "{e}");
+                let stream = b.stream();
+                drop(b);
+                drop(c);
+                stream
+            })
+        })
+        .collect();
+    let streams: Vec<usize> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+    for (r, stream) in streams.into_iter().enumerate() {
+        let path = dir.join(format!("trace.rank{r}.json"));
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let j: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let events = j["traceEvents"].as_array().unwrap();
+        let complete: Vec<_> = events.iter().filter(|e| e["ph"] == "X").collect();
+        let on = |name: &str, tid: u64| {
+            complete
+                .iter()
+                .filter(|e| e["name"] == name && e["tid"].as_u64() == Some(tid))
+                .count()
+        };
+        // Four buckets of one parameter each, two steps: eight all-reduces on the buckets' stream; the
+        // rebuild's broadcast of rank 0's order on stream 0; two backward spans.
+        assert_eq!(on("all_reduce", stream as u64), 8, "rank {r}: {text}");
+        assert_eq!(on("broadcast", 0), 1, "rank {r}");
+        assert_eq!(on("backward", 1000), 2, "rank {r}");
+        for e in &complete {
+            assert!(e["dur"].as_f64().unwrap() >= 0.0 && e["pid"].as_u64() == Some(r as u64));
+        }
+        let reduce = complete.iter().find(|e| e["name"] == "all_reduce").unwrap();
+        assert_eq!(reduce["args"]["bytes"].as_u64(), Some(16384));
+        assert_eq!(reduce["args"]["result"], "ok");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -585,6 +585,15 @@ int main(void) {
   async_more(comm, g_rank);
   bitwise(comm, g_rank);
   buckets(comm, g_rank);
+  uint64_t t0 = 0, t1 = 0;
+  CHECK(braid_timeline_now(&t0));
+  CHECK(braid_timeline_now(&t1));
+  EXPECT(t0 > 0 && t1 >= t0, "timeline clock %llu then %llu", (unsigned long long)t0, (unsigned long long)t1);
+  CHECK(braid_timeline_event(comm, "compute", t0, t1));
+  EXPECT(braid_timeline_event(comm, "backwards", t1 + 1, t1) == BRAID_INVALID_ARGUMENT,
+         "a span ending before it starts was not refused");
+  EXPECT(braid_timeline_event(comm, NULL, t0, t1) == BRAID_INVALID_ARGUMENT, "a NULL span name was not refused");
+  CHECK(braid_timeline_flush(comm));
   CHECK(braid_barrier(comm, NULL));
 
   braid_result async_rc = BRAID_INTERNAL;

@@ -273,6 +273,7 @@ impl Communicator {
             executor.tuner.set_measured_link(link);
         }
         let recorder = executor.recorder.clone();
+        let timeline = executor.timeline.clone();
         let limit = config.timeout * 2 + Duration::from_secs(10);
         let streams = Arc::new(Streams::new(
             rank,
@@ -293,6 +294,7 @@ impl Communicator {
             topology,
             streams,
             recorder,
+            timeline,
             config,
             abort,
             registered: Default::default(),

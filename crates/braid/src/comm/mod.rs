@@ -44,6 +44,8 @@ pub(crate) struct Inner {
     pub(crate) streams: Arc<Streams>,
     abort: Arc<AtomicBool>,
     recorder: crate::recorder::Recorder,
+    /// The timeline (`BRAID_TIMELINE`), for the caller's markers.
+    pub(crate) timeline: Option<Arc<crate::timeline::Timeline>>,
     /// Registered buffers, as (address, length), whichever transport uses them.
     registered: parking_lot::Mutex<Vec<(usize, usize)>>,
     /// The communicator's secret (links set up later, such as device rings, check it too).
