@@ -10,6 +10,7 @@ mod perf;
 mod plot;
 mod progress;
 mod soak;
+mod timeline;
 mod tune;
 
 use std::ffi::OsString;
@@ -142,6 +143,22 @@ enum Cmd {
     /// (`braid run -n N -- braid topo`, or across hosts): where every rank is, how each peer is reached,
     /// and, with BRAID_TOPO_PROBE=1, what probing measured. BRAID_TOPO_DUMP_FILE writes it as a file.
     Topo,
+    /// Summarise BRAID_TIMELINE files (one per rank): per rank, the time spent in compute spans and in
+    /// collectives, and how much of it overlapped; optionally merge them into one trace (Perfetto opens
+    /// it) and draw them as a PNG.
+    Timeline {
+        /// The ranks' files (trace.rank0.json trace.rank1.json ...).
+        files: Vec<String>,
+        /// Write the files merged into one trace here.
+        #[arg(long)]
+        merge: Option<String>,
+        /// Draw the timeline into this PNG.
+        #[arg(long)]
+        png: Option<String>,
+        /// Width of the picture in pixels.
+        #[arg(long, default_value_t = 1600)]
+        width: u32,
+    },
     /// Measure every all-reduce algorithm at every size and write the fastest per size to a tuning file
     /// (use it with BRAID_TUNE_FILE).
     Tune {
@@ -294,6 +311,18 @@ fn main() {
         }
         Cmd::Run { n, command } => launch::run(n, &command[0], &command[1..], &[]),
         Cmd::Topo => topo_main(),
+        Cmd::Timeline {
+            files,
+            merge,
+            png,
+            width,
+        } => match timeline::run(&files, merge.as_deref(), png.as_deref(), width) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("braid timeline: {e}");
+                2
+            }
+        },
         Cmd::Secret => secret_main(),
         Cmd::Soak {
             ranks,
