@@ -666,11 +666,19 @@ class GradientBuckets:
             if not self._sync:
                 return
             g = p.grad
+            if g is None:
+                return
             if not g.is_contiguous() or g.device.type != "cpu":
                 raise RuntimeError(f"braid: GradientBuckets: parameter {i}'s gradient is not a contiguous CPU tensor")
             count, code = self.buckets.params[i]
             self.buckets._mark(i, g.data_ptr(), count, code, g.data_ptr(), g)
         return ready
+
+    def mark_all(self):
+        """Hands over every parameter's gradient now, last parameter first (after backward passes under
+        :meth:`no_sync`, to all-reduce what they accumulated without overlap)."""
+        for i in reversed(range(len(self.params))):
+            self._hook(i)(self.params[i])
 
     def finish(self):
         """Waits for every bucket of this step and writes the reduced gradients into ``p.grad``."""

@@ -186,10 +186,17 @@ pub fn draw(path: &str, spans: &[Span], names: &Names, width: u32) -> Result<(),
         .map_err(|e| e.to_string())?;
     let row_of: BTreeMap<(u64, u64), usize> =
         rows.iter().enumerate().map(|(i, r)| (*r, i)).collect();
+    // Waiting in a stream's queue is a thin bar under the collectives, which are drawn over it.
+    let mut order: Vec<&Span> = spans.iter().collect();
+    order.sort_by_key(|s| s.cat != "queue");
     chart
-        .draw_series(spans.iter().map(|s| {
+        .draw_series(order.into_iter().map(|s| {
             let i = row_of[&(s.pid, s.tid)] as f64;
-            let (y0, y1) = (n - i - 0.9, n - i - 0.1);
+            let (y0, y1) = if s.cat == "queue" {
+                (n - i - 0.6, n - i - 0.4)
+            } else {
+                (n - i - 0.9, n - i - 0.1)
+            };
             let x1 = ms(s.ts + s.dur).max(ms(s.ts) + (ms(t1) / width as f64));
             Rectangle::new([(ms(s.ts), y0), (x1, y1)], colour(s).filled())
         }))
