@@ -63,6 +63,28 @@ impl Communicator {
         self.submit_on(stream, Op::barrier(), Box::new(()))
     }
 
+    /// Queues a collective on the caller's raw buffers on `stream` (the `*_raw_async` calls' tail).
+    ///
+    /// # Safety
+    /// As [`Op::new`]: the buffers stay valid, and untouched by anyone else, until the work completes.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn submit_raw(
+        &self,
+        stream: usize,
+        kind: Kind,
+        dtype: DType,
+        redop: ReduceOp,
+        count: usize,
+        send: *const u8,
+        send_len: usize,
+        recv: *mut u8,
+        recv_len: usize,
+    ) -> Result<Work<()>, Error> {
+        // SAFETY: the caller's contract is the op's.
+        let op = unsafe { Op::new(kind, dtype, redop, count, send, send_len, recv, recv_len) };
+        self.submit_on(stream, op, Box::new(()))
+    }
+
     /// Enqueues an all-reduce of `len` bytes of `dtype` elements from `send` into `recv` (which may be
     /// `send`) on `stream`, without copying: the work reads and writes the caller's memory.
     ///
@@ -81,8 +103,19 @@ impl Communicator {
     ) -> Result<Work<()>, Error> {
         let count = self.elems(len, dtype, "receive")?;
         // SAFETY: the caller's contract is the op's.
-        let op = unsafe { Op::new(Kind::AllReduce, dtype, op, count, send, len, recv, len) };
-        self.submit_on(stream, op, Box::new(()))
+        unsafe {
+            self.submit_raw(
+                stream,
+                Kind::AllReduce,
+                dtype,
+                op,
+                count,
+                send,
+                len,
+                recv,
+                len,
+            )
+        }
     }
 
     /// Enqueues an all-gather of `len` bytes per rank into `recv` (`world × len` bytes; `send` may be
@@ -103,8 +136,9 @@ impl Communicator {
             .checked_mul(self.inner.world)
             .ok_or_else(|| Error::invalid("all_gather: world × send length overflows"))?;
         // SAFETY: the caller's contract is the op's.
-        let op = unsafe {
-            Op::new(
+        unsafe {
+            self.submit_raw(
+                stream,
                 Kind::AllGather,
                 dtype,
                 ReduceOp::Sum,
@@ -114,8 +148,7 @@ impl Communicator {
                 recv,
                 total,
             )
-        };
-        self.submit_on(stream, op, Box::new(()))
+        }
     }
 
     /// Enqueues a broadcast of `len` bytes from `root` (read from `send` there) into every rank's
@@ -140,8 +173,9 @@ impl Communicator {
             )));
         }
         // SAFETY: the caller's contract is the op's.
-        let op = unsafe {
-            Op::new(
+        unsafe {
+            self.submit_raw(
+                stream,
                 Kind::Broadcast { root },
                 dtype,
                 ReduceOp::Sum,
@@ -151,8 +185,7 @@ impl Communicator {
                 recv,
                 len,
             )
-        };
-        self.submit_on(stream, op, Box::new(()))
+        }
     }
 
     /// Enqueues a reduce-scatter on `stream`, without copying: `send` holds `world` blocks of `len`
@@ -176,8 +209,9 @@ impl Communicator {
             .checked_mul(self.inner.world)
             .ok_or_else(|| Error::invalid("reduce_scatter: world × receive length overflows"))?;
         // SAFETY: the caller's contract is the op's.
-        let op = unsafe {
-            Op::new(
+        unsafe {
+            self.submit_raw(
+                stream,
                 Kind::ReduceScatter,
                 dtype,
                 op,
@@ -187,8 +221,7 @@ impl Communicator {
                 recv,
                 len,
             )
-        };
-        self.submit_on(stream, op, Box::new(()))
+        }
     }
 
     /// Enqueues a reduce of `len` bytes from every rank's `send` into `root`'s `recv` on `stream`,
@@ -220,8 +253,9 @@ impl Communicator {
             }
         };
         // SAFETY: the caller's contract is the op's; off the root the send buffer is only read.
-        let op = unsafe {
-            Op::new(
+        unsafe {
+            self.submit_raw(
+                stream,
                 Kind::Reduce { root },
                 dtype,
                 op,
@@ -231,8 +265,7 @@ impl Communicator {
                 recv,
                 recv_len,
             )
-        };
-        self.submit_on(stream, op, Box::new(()))
+        }
     }
 
     /// Enqueues an all-to-all on `stream`, without copying: `send` and `recv` each hold `world` blocks
@@ -255,8 +288,9 @@ impl Communicator {
             .checked_mul(self.inner.world)
             .ok_or_else(|| Error::invalid("all_to_all: world × block length overflows"))?;
         // SAFETY: the caller's contract is the op's.
-        let op = unsafe {
-            Op::new(
+        unsafe {
+            self.submit_raw(
+                stream,
                 Kind::AllToAll,
                 dtype,
                 ReduceOp::Sum,
@@ -266,8 +300,7 @@ impl Communicator {
                 recv,
                 total,
             )
-        };
-        self.submit_on(stream, op, Box::new(()))
+        }
     }
 
     /// Enqueues an all-to-all whose blocks differ in size on `stream`, without copying: `send[j]` (a
