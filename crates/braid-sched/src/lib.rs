@@ -34,6 +34,7 @@ pub mod direct;
 pub mod hier;
 mod plan;
 pub mod rhd;
+pub mod shared;
 pub mod ring;
 pub mod sparse;
 pub mod tree;

@@ -14,6 +14,7 @@ use braid_transport::{Link, Span, Stamp};
 use tracing::{error, trace};
 
 use crate::recorder::Recorder;
+use crate::shared::{Shared, SharedRun};
 use crate::timeline::{now_ns, Event, Timeline};
 use crate::tune::{Collective, Tuner};
 
@@ -126,6 +127,21 @@ impl Op {
         }
     }
 
+    /// Whether it runs an all-to-all of blocks of any size.
+    pub(crate) fn has_blocks(&self) -> bool {
+        self.blocks.is_some()
+    }
+
+    /// Its input and output.
+    pub(crate) fn spans(&self) -> (Span, Span) {
+        (self.spec.send, self.spec.recv)
+    }
+
+    /// Its reduction.
+    pub(crate) fn redop(&self) -> ReduceOp {
+        self.spec.redop
+    }
+
     /// The op runs an all-to-all of `blocks` (direct, each block its own size) instead of its kind's
     /// schedule; `count` stays what the ranks compare under debug checks, so it must be the same on
     /// every rank (the total over all blocks of all ranks).
@@ -196,11 +212,33 @@ unsafe impl Sync for Op {}
 
 /// A started op.
 pub(crate) struct Running {
-    run: Run,
+    run: Flow,
     /// When it started, as recorded.
     stamp: Stamp,
     /// What the timeline will show of it (when there is one).
     shown: Option<Shown>,
+}
+
+/// How a started op runs: a plan over messages, or straight through shared buffers.
+enum Flow {
+    Plan(Run),
+    Shared(Box<SharedRun>),
+}
+
+impl Flow {
+    fn seq(&self) -> u64 {
+        match self {
+            Flow::Plan(r) => r.seq(),
+            Flow::Shared(r) => r.seq,
+        }
+    }
+
+    fn stream(&self) -> usize {
+        match self {
+            Flow::Plan(r) => r.channel(),
+            Flow::Shared(r) => r.stream,
+        }
+    }
 }
 
 /// A started op as the timeline will show it.
@@ -208,7 +246,7 @@ struct Shown {
     name: &'static str,
     count: usize,
     dtype: DType,
-    algo: Algo,
+    algo: &'static str,
     began_ns: u64,
 }
 
@@ -218,6 +256,9 @@ impl Running {
         self.run.seq()
     }
 }
+
+/// What the recorder and the timeline call the path of a run over shared buffers.
+const SHARED: &str = "shared";
 
 /// Runs ops on one rank: numbers them per stream, picks algorithms, records them.
 pub(crate) struct Executor {
@@ -231,6 +272,10 @@ pub(crate) struct Executor {
     pub recorder: Recorder,
     /// The timeline (`BRAID_TIMELINE`), shared with the communicator for the caller's markers.
     pub timeline: Option<Arc<Timeline>>,
+    /// Memory the ranks of the host share ([`crate::Communicator::alloc`]), once there is some.
+    pub shared: Option<Shared>,
+    /// Set by `abort`: every wait ends.
+    abort: Arc<AtomicBool>,
 }
 
 impl Executor {
@@ -253,7 +298,7 @@ impl Executor {
             settings,
             link,
             Box::new(CpuEngine::new()),
-            abort,
+            abort.clone(),
         );
         let timeline = config
             .timeline
@@ -267,6 +312,8 @@ impl Executor {
             exec,
             recorder: Recorder::default(),
             timeline,
+            shared: None,
+            abort,
         }
     }
 
@@ -302,20 +349,25 @@ impl Executor {
         };
         let stamp = Stamp::now();
         let started = stamp.instant();
-        let (algo, run) = match self.custom_plan(op) {
-            Some(plan) => (
-                Algo::Direct,
-                self.exec.start_plan(op.spec, plan, stream, seq, started)?,
-            ),
-            None => {
-                let algo = self
-                    .tuner
-                    .pick_cached(op.kind.collective(), op.count * op.dtype.size());
-                (algo, self.exec.start(op.spec, algo, stream, seq, started)?)
-            }
+        let (algo, run) = match self.start_shared(op, stream, seq, started) {
+            Some(run) => (None, Flow::Shared(Box::new(run))),
+            None => match self.custom_plan(op) {
+                Some(plan) => (
+                    Some(Algo::Direct),
+                    Flow::Plan(self.exec.start_plan(op.spec, plan, stream, seq, started)?),
+                ),
+                None => {
+                    let algo = self
+                        .tuner
+                        .pick_cached(op.kind.collective(), op.count * op.dtype.size());
+                    let run = self.exec.start(op.spec, algo, stream, seq, started)?;
+                    (Some(algo), Flow::Plan(run))
+                }
+            },
         };
         self.seqs[stream] += 1;
-        trace!(rank = self.rank, stream, seq, op = op.kind.name(), count = op.count, dtype = %op.dtype, algo = algo.name(), "run");
+        let algo_name = algo.map_or(SHARED, Algo::name);
+        trace!(rank = self.rank, stream, seq, op = op.kind.name(), count = op.count, dtype = %op.dtype, algo = algo_name, "run");
         self.recorder.start(stream, seq, op, algo, stamp);
         let shown = self.timeline.as_ref().map(|t| {
             let began_ns = now_ns();
@@ -333,11 +385,24 @@ impl Executor {
                 name: op.kind.name(),
                 count: op.count,
                 dtype: op.dtype,
-                algo,
+                algo: algo_name,
                 began_ns,
             }
         });
         Ok(Running { run, stamp, shown })
+    }
+
+    /// The run of `op` straight through shared buffers, when they all are (checked against the
+    /// validity of the op first, as the plan path does).
+    fn start_shared(
+        &mut self,
+        op: &Op,
+        stream: usize,
+        seq: u64,
+        started: Instant,
+    ) -> Option<SharedRun> {
+        let deadline = started + self.config.timeout;
+        self.shared.as_mut()?.start(op, stream, seq, started, deadline)
     }
 
     /// Puts a finished op on the timeline.
@@ -348,7 +413,7 @@ impl Executor {
         args.insert("count".into(), shown.count.into());
         args.insert("dtype".into(), shown.dtype.name().into());
         args.insert("bytes".into(), (shown.count * shown.dtype.size()).into());
-        args.insert("algo".into(), shown.algo.name().into());
+        args.insert("algo".into(), shown.algo.into());
         let outcome = match result {
             Ok(()) => "ok".to_string(),
             Err(e) => e.to_string(),
@@ -371,7 +436,13 @@ impl Executor {
         now: Instant,
         budget: u64,
     ) -> Result<Progress, Error> {
-        let result = self.exec.poll_for(&mut r.run, now, budget);
+        let result = match &mut r.run {
+            Flow::Plan(run) => self.exec.poll_for(run, now, budget),
+            Flow::Shared(run) => match &self.shared {
+                Some(sh) => sh.poll(run, budget),
+                None => Err(Error::Internal("a shared run without shared memory".into())),
+            },
+        };
         match &result {
             Ok(Progress::Done) => self.finish(r, &Ok(())),
             Err(e) => self.finish(r, &Err(e.clone())),
@@ -383,7 +454,13 @@ impl Executor {
     /// Sleeps until what `r` waits for may have happened, or `until`; an error ends the op (and is
     /// recorded).
     pub(crate) fn wait(&mut self, r: &mut Running, w: Wait, until: Instant) -> Result<(), Error> {
-        let result = self.exec.wait(&mut r.run, w, until);
+        let result = match &mut r.run {
+            Flow::Plan(run) => self.exec.wait(run, w, until),
+            Flow::Shared(run) => match &self.shared {
+                Some(sh) => sh.wait(run, &self.abort, until),
+                None => Err(Error::Internal("a shared run without shared memory".into())),
+            },
+        };
         if let Err(e) = &result {
             self.finish(r, &Err(e.clone()));
         }
@@ -392,6 +469,17 @@ impl Executor {
 
     /// Runs `op` on `stream` to completion on this thread.
     pub(crate) fn run(&mut self, op: &Op, stream: usize) -> Result<(), Error> {
+        if self.shared.as_ref().is_some_and(|sh| sh.takes(op)) {
+            let mut r = self.start(op, stream, 0)?;
+            let now = Instant::now();
+            loop {
+                match self.poll(&mut r, now, u64::MAX)? {
+                    Progress::Done => return Ok(()),
+                    Progress::Yielded => {}
+                    Progress::Blocked(w) => self.wait(&mut r, w, now + self.config.timeout)?,
+                }
+            }
+        }
         let Some(seq) = self.seqs.get(stream).copied() else {
             return Err(Error::invalid(format!("stream {stream} does not exist")));
         };
@@ -408,14 +496,14 @@ impl Executor {
             name: op.kind.name(),
             count: op.count,
             dtype: op.dtype,
-            algo,
+            algo: algo.name(),
             began_ns: now_ns(),
         });
         // An op refused before it starts takes no number and leaves no record.
         let (seqs, recorder) = (&mut self.seqs, &self.recorder);
         let mut on_start = || {
             seqs[stream] += 1;
-            recorder.start(stream, seq, op, algo, stamp);
+            recorder.start(stream, seq, op, Some(algo), stamp);
         };
         let result = match custom {
             Some(plan) => match self.exec.start_plan(op.spec, plan, stream, seq, started) {
@@ -454,9 +542,9 @@ impl Executor {
     }
 
     fn finish(&self, r: &Running, result: &Result<(), Error>) {
-        self.record(r.run.channel(), r.run.seq(), r.stamp, result);
+        self.record(r.run.stream(), r.run.seq(), r.stamp, result);
         if let Some(shown) = &r.shown {
-            self.show(r.run.channel(), r.run.seq(), shown, result);
+            self.show(r.run.stream(), r.run.seq(), shown, result);
         }
     }
 

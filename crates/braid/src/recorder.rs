@@ -14,6 +14,9 @@ use parking_lot::Mutex;
 use crate::exec::Op;
 use crate::tune::{Algo, Collective};
 
+/// The algorithm byte of a run straight through shared buffers (no algorithm of the table).
+const SHARED_PATH: u8 = 0xff;
+
 /// How many collectives are kept.
 pub const CAPACITY: usize = 64;
 
@@ -192,11 +195,19 @@ impl Recorder {
         None
     }
 
-    pub(crate) fn start(&self, stream: usize, seq: u64, op: &Op, algo: Algo, started: Stamp) {
+    /// Records that `op` started with `algo` (`None`: straight through shared buffers).
+    pub(crate) fn start(
+        &self,
+        stream: usize,
+        seq: u64,
+        op: &Op,
+        algo: Option<Algo>,
+        started: Stamp,
+    ) {
         let ordinal = self.shared.head.load(Ordering::Relaxed);
         let what = op.kind.collective().index() as u64
             | (op.dtype as u64) << 8
-            | (algo as u64) << 16
+            | (algo.map_or(SHARED_PATH, |a| a as u8) as u64) << 16
             | (RUNNING as u64) << 24;
         self.write(Raw {
             ordinal,
@@ -284,10 +295,13 @@ impl Recorder {
                         .iter()
                         .find(|d| **d as u8 == byte(1))
                         .map_or("?", |d| d.name()),
-                    algo: Algo::ALL
-                        .iter()
-                        .find(|a| **a as u8 == byte(2))
-                        .map_or("?", |a| a.name()),
+                    algo: match byte(2) {
+                        SHARED_PATH => "shared",
+                        code => Algo::ALL
+                            .iter()
+                            .find(|a| **a as u8 == code)
+                            .map_or("?", |a| a.name()),
+                    },
                     started: now_wall.checked_sub(ran).unwrap_or(now_wall),
                     elapsed: if state == State::Running {
                         ran

@@ -76,6 +76,12 @@ pub enum Wait {
     },
     /// A kernel the engine queued.
     Engine(Ticket),
+    /// A flag that `peer` raises in memory both map: runs over shared buffers, which the communicator
+    /// drives itself (this executor never returns it).
+    Flag {
+        /// The peer.
+        peer: usize,
+    },
 }
 
 /// Where a run stands after a poll.
@@ -576,6 +582,7 @@ impl<E: Engine + ?Sized> Executor<E> {
                 None => Ok(()),
             },
             Wait::Engine(t) => self.engine.wait(t, until),
+            Wait::Flag { .. } => Ok(()),
         };
         if r.is_err() {
             run.phase = Phase::Done;
@@ -648,6 +655,9 @@ impl<E: Engine + ?Sized> Executor<E> {
                         return Err(e);
                     }
                 }
+                Progress::Blocked(Wait::Flag { .. }) => {
+                    return Err(Error::Internal("a plan waited on a shared flag".into()));
+                }
             }
         }
     }
@@ -656,6 +666,7 @@ impl<E: Engine + ?Sized> Executor<E> {
         let (peer, what) = match w {
             Wait::Link { peer, event, .. } => (peer, event.describe().to_string()),
             Wait::Engine(_) => (self.rank, format!("the {} engine", self.engine.name())),
+            Wait::Flag { peer } => (peer, "a flag in shared memory".to_string()),
         };
         Error::Timeout {
             rank: self.rank,

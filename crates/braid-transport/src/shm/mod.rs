@@ -1050,6 +1050,7 @@ impl Connected for ShmConnected {
 }
 
 pub mod ipc;
+pub mod window;
 
 #[cfg(test)]
 mod ipc_tests;

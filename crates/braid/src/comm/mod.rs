@@ -37,10 +37,10 @@ pub(crate) struct Inner {
     /// How each peer is reached ("self", "shm" or "tcp"), indexed by rank.
     routes: Vec<&'static str>,
     /// The ranks of each host.
-    hosts: Vec<Vec<usize>>,
+    pub(crate) hosts: Vec<Vec<usize>>,
     /// Where the ranks are, as the communicator decided it.
     topology: braid_topo::Topology,
-    config: Config,
+    pub(crate) config: Config,
     pub(crate) streams: Arc<Streams>,
     abort: Arc<AtomicBool>,
     recorder: crate::recorder::Recorder,
