@@ -10,6 +10,7 @@
 #   MPIRUN_FLAGS  extra mpirun flags (default "--allow-run-as-root --oversubscribe")
 #   LAT_ITERS     iterations of the 8-byte latency pass (default 50000; 0 skips the pass)
 #   LAT_ROUNDS    alternated braid/MPI rounds of that pass (default 5)
+#   BRAID_PERF_FLAGS  extra flags of braid perf, such as --shared (buffers from Communicator::alloc)
 #
 # Results go to target/bench/{braid,mpi}-N.json; see benches/README.md.
 set -euo pipefail
@@ -27,9 +28,11 @@ WARMUP="${WARMUP:-5}"
 MPIRUN_FLAGS="${MPIRUN_FLAGS:---allow-run-as-root --oversubscribe}"
 LAT_ITERS="${LAT_ITERS:-50000}"
 LAT_ROUNDS="${LAT_ROUNDS:-5}"
+BRAID_PERF_FLAGS="${BRAID_PERF_FLAGS:-}"
 
 read -r -a size_args <<<"$SIZES"
 read -r -a mpirun_flags <<<"$MPIRUN_FLAGS"
+read -r -a braid_flags <<<"$BRAID_PERF_FLAGS"
 if [ "$#" -gt 0 ]; then
     ranks_list=("$@")
 else
@@ -96,7 +99,7 @@ for n in "${ranks_list[@]}"; do
     echo "================ $n ranks: $SIZES, iters $ITERS, warmup $WARMUP ================"
     echo "---- braid"
     run_step "$braid_json" "$braid_bin" perf --ranks "$n" "${size_args[@]}" \
-        -n "$ITERS" -w "$WARMUP" --json "$braid_json"
+        -n "$ITERS" -w "$WARMUP" "${braid_flags[@]}" --json "$braid_json"
     echo "---- Open MPI (mpirun ${mpirun_flags[*]} -np $n)"
     run_step "$mpi_json" mpirun "${mpirun_flags[@]}" -np "$n" "$harness" "${size_args[@]}" \
         -n "$ITERS" -w "$WARMUP" -j "$mpi_json"
@@ -115,7 +118,7 @@ if [ "$LAT_ITERS" -gt 0 ] && [ "$LAT_ROUNDS" -gt 0 ]; then
         mkdir -p "$lat_dir"
         for r in $(seq 1 "$LAT_ROUNDS"); do
             run_step "$lat_dir/braid-$r.json" "$braid_bin" perf --ranks "$n" -b 8 -e 8 \
-                -n "$LAT_ITERS" -w 1000 --json "$lat_dir/braid-$r.json" >/dev/null
+                -n "$LAT_ITERS" -w 1000 "${braid_flags[@]}" --json "$lat_dir/braid-$r.json" >/dev/null
             run_step "$lat_dir/mpi-$r.json" mpirun "${mpirun_flags[@]}" -np "$n" "$harness" -b 8 -e 8 \
                 -n "$LAT_ITERS" -w 1000 -j "$lat_dir/mpi-$r.json" >/dev/null
         done

@@ -850,6 +850,33 @@ enum braid_result braid_comm_use_cuda_device(struct braid_comm *comm,
                                              int device);
 
 /**
+ * Allocates `bytes` of memory that every rank of the host maps, zeroed and page-aligned, and writes
+ * its address to `*out`. Collective: every rank of the communicator calls it, in the same order (the
+ * sizes may differ). A collective whose buffers all lie in such memory, on every rank, runs straight
+ * through it (no staging copies); all ranks must pass such buffers, or none. Refused on every rank
+ * (and `*out` untouched): 0 bytes on some rank (`BRAID_INVALID_ARGUMENT`), more memory than the
+ * machine has (`BRAID_OUT_OF_MEMORY`, naming the rank), ranks on several hosts.
+ *
+ * # Safety
+ * `out` must be valid for writing a pointer.
+ */
+enum braid_result braid_mem_alloc(struct braid_comm *comm,
+                                  size_t bytes,
+                                  void **out);
+
+/**
+ * Ends the use of memory from `braid_mem_alloc` by collectives. Not collective; the memory stays
+ * mapped (so nothing that still points into it faults) until the communicator is destroyed. A pointer
+ * that `braid_mem_alloc` did not return for this communicator is `BRAID_INVALID_ARGUMENT`; NULL is
+ * ignored.
+ *
+ * # Safety
+ * None beyond passing a handle value: the pointer is only compared with allocated ones.
+ */
+enum braid_result braid_mem_free(struct braid_comm *comm,
+                                 void *ptr);
+
+/**
  * The host's monotonic clock in nanoseconds, the clock of the timeline (`CLOCK_MONOTONIC`).
  *
  * # Safety

@@ -25,6 +25,7 @@ mod collectives;
 mod compress;
 mod device;
 mod guard;
+mod mem;
 mod registry;
 mod timeline;
 mod work;
@@ -41,6 +42,7 @@ use crate::guard::{guard, guard_value, invalid, last_error_ptr, set_last_error};
 pub use buckets::*;
 pub use collectives::*;
 pub use compress::*;
+pub use mem::*;
 pub use timeline::*;
 pub use work::*;
 
@@ -429,6 +431,7 @@ pub unsafe extern "C" fn braid_comm_destroy(comm: *mut braid_comm) -> braid_resu
             "comm",
         )?);
         device::forget(comm);
+        mem::forget(comm);
         Ok(())
     })
 }

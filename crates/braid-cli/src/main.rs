@@ -109,6 +109,11 @@ enum Cmd {
         /// sends from it without a copy.
         #[arg(long)]
         register: bool,
+        /// Put the buffers in memory every rank of the host maps (`Communicator::alloc`): the
+        /// collectives run straight through it, with no staging copies; the bound column is then
+        /// the memory traffic that path needs at the bandwidth measured with every core busy.
+        #[arg(long)]
+        shared: bool,
         /// Where the buffers live: host (default), cuda (each rank's GPU: device memory, the ipc
         /// transport's rings in GPU memory, the CUDA kernels) or emulated (device memory emulated in
         /// host memory, for machines without a GPU). all_reduce, broadcast, reduce, all_gather and
@@ -404,6 +409,7 @@ fn main() {
             algo,
             plot,
             register,
+            shared,
             device,
         } => {
             let args = (|| -> Result<perf::PerfArgs, String> {
@@ -441,6 +447,7 @@ fn main() {
                     algo,
                     plot,
                     register,
+                    shared,
                     device: device.parse()?,
                 })
             })();

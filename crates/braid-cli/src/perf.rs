@@ -50,6 +50,8 @@ pub struct PerfArgs {
     pub plot: Option<String>,
     /// Whether to register the send buffer for sends without a copy.
     pub register: bool,
+    /// Whether the buffers are shared memory from [`Communicator::alloc`].
+    pub shared: bool,
     /// Where the buffers live (host memory, or a device's through the device communicator).
     pub device: crate::device::Device,
 }
@@ -442,6 +444,25 @@ fn measure_bound(bytes: usize, iters: usize, dtype: DType, copy: bool) -> f64 {
     t.elapsed().as_secs_f64() / done as f64
 }
 
+/// Seconds the shared path needs at best for `c` over `bytes` on `world` ranks: every rank's memory
+/// traffic ([`braid_sched::shared::traffic`]) at the bandwidth this machine's memory moves with
+/// `min(world, cores)` threads each copying `bytes` at once (each copy's read and write counted),
+/// that is `world × traffic / bandwidth`.
+fn shared_bound(c: Collective, bytes: usize, world: usize, iters: usize, dtype: DType) -> f64 {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = world.min(cores).max(1);
+    let per_thread: Vec<f64> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..threads)
+            .map(|_| s.spawn(|| measure_bound(bytes, iters, dtype, true)))
+            .collect();
+        hs.into_iter()
+            .map(|h| h.join().unwrap_or(f64::INFINITY))
+            .collect()
+    });
+    let bandwidth: f64 = per_thread.iter().map(|t| 2.0 * bytes as f64 / t).sum();
+    world as f64 * braid_sched::shared::traffic(c, bytes, world) / bandwidth
+}
+
 /// Interleaved timing rounds per algorithm in `--algo all`.
 const ALGO_ROUNDS: usize = 5;
 
@@ -486,6 +507,44 @@ impl Drop for SendRegistration<'_> {
     }
 }
 
+/// A host buffer of the benchmark: private memory, or memory every rank of the host maps.
+enum HostBuf {
+    Own(Vec<u64>),
+    Shared(braid::SharedBuffer),
+}
+
+impl HostBuf {
+    fn new(comm: &Communicator, bytes: usize, shared: bool) -> Result<HostBuf, Error> {
+        Ok(if shared {
+            HostBuf::Shared(comm.alloc(bytes.max(8).next_multiple_of(8))?)
+        } else {
+            HostBuf::Own(braid_core::alloc::filled(
+                0u64,
+                bytes.div_ceil(8),
+                "a benchmark buffer",
+            )?)
+        })
+    }
+
+    fn words(&self) -> &[u64] {
+        match self {
+            HostBuf::Own(v) => v,
+            HostBuf::Shared(s) => s.as_slice(),
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        bytemuck::cast_slice(self.words())
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            HostBuf::Own(v) => bytemuck::cast_slice_mut(v),
+            HostBuf::Shared(s) => s.as_mut_slice(),
+        }
+    }
+}
+
 /// One rank's benchmark state: the buffers, reused across sizes. They are held as 8-byte words so that
 /// the typed in-place calls can view them as any element type.
 struct Bench<'a> {
@@ -493,8 +552,8 @@ struct Bench<'a> {
     a: &'a PerfArgs,
     /// The op the inputs are made for: the reduction, or sum for the collectives that do not reduce.
     data_op: ReduceOp,
-    send: Vec<u64>,
-    recv: Vec<u64>,
+    send: HostBuf,
+    recv: HostBuf,
     factor: f64,
     /// With `--device`: the device communicator and its buffers (then `send` and `recv` are the host
     /// copies results are checked in).
@@ -554,11 +613,11 @@ impl Bench<'_> {
             return d.call(self.a, s, in_place);
         }
         let (comm, a) = (self.comm, self.a);
-        let recv: &mut [u8] = bytemuck::cast_slice_mut(&mut self.recv);
+        let recv = self.recv.bytes_mut();
         if in_place {
             self::in_place(comm, a.collective, a.dtype, a.op, &mut recv[..s.bytes])
         } else {
-            let send: &[u8] = bytemuck::cast_slice(&self.send);
+            let send = self.send.bytes();
             out_of_place(
                 comm,
                 a.collective,
@@ -576,8 +635,8 @@ impl Bench<'_> {
         let es = self.a.dtype.size();
         let mut w = 0;
         if let Some(e) = want {
-            let send: &mut [u8] = bytemuck::cast_slice_mut(&mut self.send);
-            let recv: &mut [u8] = bytemuck::cast_slice_mut(&mut self.recv);
+            let send = self.send.bytes_mut();
+            let recv = self.recv.bytes_mut();
             if in_place {
                 recv[..s.bytes].copy_from_slice(&e.in_place);
             } else {
@@ -587,18 +646,18 @@ impl Bench<'_> {
             if let Some(d) = &mut self.dev {
                 // The device buffers start as the host copies do; the result comes back into them.
                 if !in_place {
-                    d.send.write(&send[..s.send])?;
+                    d.send.write(&self.send.bytes()[..s.send])?;
                 }
                 let n = if in_place { s.bytes } else { s.recv };
-                d.recv.write(&recv[..n])?;
+                d.recv.write(&self.recv.bytes()[..n])?;
             }
             self.call(s, in_place)?;
             if let Some(d) = &self.dev {
-                let recv: &mut [u8] = bytemuck::cast_slice_mut(&mut self.recv);
+                let recv = self.recv.bytes_mut();
                 let n = if in_place { s.bytes } else { s.recv };
                 d.recv.read(0, &mut recv[..n])?;
             }
-            let recv: &[u8] = bytemuck::cast_slice(&self.recv);
+            let recv = self.recv.bytes();
             w = match (in_place, &e.want, &e.want_in_place) {
                 (false, Some(want), _) => wrong(&recv[..s.recv], want, es),
                 (true, _, Some((at, want))) => wrong(&recv[*at..*at + want.len()], want, es),
@@ -666,11 +725,16 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
                 coll.name()
             )));
         }
-        if a.algo.is_some() || a.register {
+        if a.algo.is_some() || a.register || a.shared {
             return Err(Error::invalid(
-                "--device takes neither --algo nor --register yet",
+                "--device takes neither --algo nor --register nor --shared yet",
             ));
         }
+    }
+    if a.shared && a.algo.is_some() {
+        return Err(Error::invalid(
+            "--shared takes no --algo: collectives on shared buffers have one path",
+        ));
     }
     let dev = if on_device {
         let side = crate::device::open(comm, a.device)?;
@@ -683,14 +747,14 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
         comm,
         a,
         data_op: if reducing { a.op } else { ReduceOp::Sum },
-        send: vec![0u64; max.div_ceil(8)],
-        recv: vec![0u64; max.div_ceil(8)],
+        send: HostBuf::new(comm, max, a.shared)?,
+        recv: HostBuf::new(comm, max, a.shared)?,
         factor,
         dev,
     };
     // Registered for as long as this function runs: the buffer is never reallocated meanwhile.
     let registered = if a.register {
-        Some(SendRegistration::new(comm, &bench.send)?)
+        Some(SendRegistration::new(comm, bench.send.words())?)
     } else {
         None
     };
@@ -734,6 +798,17 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
                     .find(|t| **t != "self")
                     .copied()
                     .unwrap_or("self")
+            );
+        }
+        if a.shared {
+            println!(
+                "# buffers in memory every rank of the host maps (Communicator::alloc); bound: {} of memory traffic per rank at the copy bandwidth of {} busy cores",
+                match coll {
+                    Collective::AllReduce => "2S",
+                    Collective::ReduceScatter | Collective::Reduce => "S(n+1)/n",
+                    _ => "2S(n-1)/n",
+                },
+                world.min(std::thread::available_parallelism().map_or(1, |n| n.get()))
             );
         }
         if let Some(r) = &registered {
@@ -783,7 +858,9 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
             .check
             .then(|| Expect::new(coll, s, dtype, bench.data_op, rank, world));
         let want = expect.as_ref();
-        let bound = if rank == 0 && bytes > 0 && !on_device {
+        let bound = if rank == 0 && bytes > 0 && a.shared {
+            shared_bound(coll, bytes, world, a.iters.max(1), dtype)
+        } else if rank == 0 && bytes > 0 && !on_device {
             measure_bound(bytes, a.iters.max(1), dtype, !reducing)
         } else {
             0.0
@@ -863,7 +940,11 @@ pub fn run(comm: &Communicator, a: &PerfArgs) -> Result<u64, Error> {
             };
             total_wrong += oop.wrong + ip.map_or(0, |c| c.wrong);
             busbw_sum += oop.busbw;
-            let algo = comm.algorithm(coll, tuner_bytes).0.name();
+            let algo = if a.shared {
+                "shared"
+            } else {
+                comm.algorithm(coll, tuner_bytes).0.name()
+            };
             if rank == 0 {
                 let pct = if bound_busbw > 0.0 {
                     100.0 * oop.busbw / bound_busbw

@@ -34,8 +34,8 @@ pub mod direct;
 pub mod hier;
 mod plan;
 pub mod rhd;
-pub mod shared;
 pub mod ring;
+pub mod shared;
 pub mod sparse;
 pub mod tree;
 

@@ -3,8 +3,7 @@
 //!
 //! With shared buffers there are no messages: after every rank has announced its buffers, rank `r`
 //! reduces slice `r` of the vector straight from every rank's input, in rank order (so every rank's
-//! result is the same bits), and, for an all-reduce, copies the other ranks' reduced slices from their
-//! outputs once they are done.
+//! result is the same bits), and, for an all-reduce, stores it into every rank's output.
 
 use std::ops::Range;
 
@@ -30,8 +29,8 @@ pub fn slice(count: usize, elem_bytes: usize, world: usize, r: usize) -> Range<u
 /// and reduce-scatter's full output and input, the broadcast's and reduce's buffer), with `world`
 /// ranks. Averaged over the ranks (the reduce's and broadcast's root does less).
 ///
-/// - all-reduce: read every rank's slice (`S`), write one (`S/n`), then read and write the other
-///   `n − 1` slices: `S (3n − 1) / n`;
+/// - all-reduce: read every rank's slice (`S`), write the reduced slice into every output (`S`; the
+///   copies read it back from cache, not counted): `2 S`;
 /// - reduce-scatter: read `n` blocks of `S/n`, write one: `S (n + 1) / n`;
 /// - all-gather: read and write the `n − 1` blocks of the others: `2 S (n − 1) / n`;
 /// - broadcast: the `n − 1` other ranks read and write `S`: `2 S (n − 1) / n` on average;
@@ -39,7 +38,7 @@ pub fn slice(count: usize, elem_bytes: usize, world: usize, r: usize) -> Range<u
 pub fn traffic(collective: Collective, bytes: usize, world: usize) -> f64 {
     let (s, n) = (bytes as f64, world.max(1) as f64);
     match collective {
-        Collective::AllReduce => s * (3.0 * n - 1.0) / n,
+        Collective::AllReduce => 2.0 * s,
         Collective::ReduceScatter | Collective::Reduce => s * (n + 1.0) / n,
         Collective::AllGather | Collective::Broadcast => 2.0 * s * (n - 1.0) / n,
         Collective::Barrier | Collective::AllToAll => 2.0 * s * (n - 1.0) / n,
@@ -79,9 +78,9 @@ mod tests {
 
     #[test]
     fn traffic_follows_the_formulas() {
-        // Two ranks, 1 MiB all-reduce: each reads 1 MiB, writes 0.5, reads and writes 0.5 more.
+        // Two ranks, 1 MiB all-reduce: each reads 1 MiB and writes 1 MiB.
         let m = 1 << 20;
-        assert_eq!(traffic(Collective::AllReduce, m, 2), 2.5 * m as f64);
+        assert_eq!(traffic(Collective::AllReduce, m, 2), 2.0 * m as f64);
         assert_eq!(traffic(Collective::AllGather, m, 4), 1.5 * m as f64);
         assert_eq!(traffic(Collective::ReduceScatter, m, 4), 1.25 * m as f64);
     }

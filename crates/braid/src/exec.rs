@@ -222,7 +222,7 @@ pub(crate) struct Running {
 /// How a started op runs: a plan over messages, or straight through shared buffers.
 enum Flow {
     Plan(Run),
-    Shared(Box<SharedRun>),
+    Shared(SharedRun),
 }
 
 impl Flow {
@@ -350,7 +350,7 @@ impl Executor {
         let stamp = Stamp::now();
         let started = stamp.instant();
         let (algo, run) = match self.start_shared(op, stream, seq, started) {
-            Some(run) => (None, Flow::Shared(Box::new(run))),
+            Some(run) => (None, Flow::Shared(run)),
             None => match self.custom_plan(op) {
                 Some(plan) => (
                     Some(Algo::Direct),
@@ -365,6 +365,35 @@ impl Executor {
                 }
             },
         };
+        Ok(self.begin(op, stream, seq, algo, run, stamp, issued_ns))
+    }
+
+    /// Starts `op` on `stream` if it runs straight through shared buffers (`None` otherwise, and
+    /// nothing happened).
+    fn start_if_shared(&mut self, op: &Op, stream: usize) -> Result<Option<Running>, Error> {
+        let Some(seq) = self.seqs.get(stream).copied() else {
+            return Err(Error::invalid(format!("stream {stream} does not exist")));
+        };
+        let stamp = Stamp::now();
+        let Some(run) = self.start_shared(op, stream, seq, stamp.instant()) else {
+            return Ok(None);
+        };
+        let flow = Flow::Shared(run);
+        Ok(Some(self.begin(op, stream, seq, None, flow, stamp, 0)))
+    }
+
+    /// Numbers, records and shows a started run.
+    #[allow(clippy::too_many_arguments)]
+    fn begin(
+        &mut self,
+        op: &Op,
+        stream: usize,
+        seq: u64,
+        algo: Option<Algo>,
+        run: Flow,
+        stamp: Stamp,
+        issued_ns: u64,
+    ) -> Running {
         self.seqs[stream] += 1;
         let algo_name = algo.map_or(SHARED, Algo::name);
         trace!(rank = self.rank, stream, seq, op = op.kind.name(), count = op.count, dtype = %op.dtype, algo = algo_name, "run");
@@ -389,7 +418,7 @@ impl Executor {
                 began_ns,
             }
         });
-        Ok(Running { run, stamp, shown })
+        Running { run, stamp, shown }
     }
 
     /// The run of `op` straight through shared buffers, when they all are (checked against the
@@ -402,7 +431,9 @@ impl Executor {
         started: Instant,
     ) -> Option<SharedRun> {
         let deadline = started + self.config.timeout;
-        self.shared.as_mut()?.start(op, stream, seq, started, deadline)
+        self.shared
+            .as_mut()?
+            .start(op, stream, seq, started, deadline)
     }
 
     /// Puts a finished op on the timeline.
@@ -469,14 +500,17 @@ impl Executor {
 
     /// Runs `op` on `stream` to completion on this thread.
     pub(crate) fn run(&mut self, op: &Op, stream: usize) -> Result<(), Error> {
-        if self.shared.as_ref().is_some_and(|sh| sh.takes(op)) {
-            let mut r = self.start(op, stream, 0)?;
-            let now = Instant::now();
-            loop {
-                match self.poll(&mut r, now, u64::MAX)? {
-                    Progress::Done => return Ok(()),
-                    Progress::Yielded => {}
-                    Progress::Blocked(w) => self.wait(&mut r, w, now + self.config.timeout)?,
+        if self.shared.is_some() {
+            if let Some(mut r) = self.start_if_shared(op, stream)? {
+                // The run's own deadline bounds every wait: no clock is read here.
+                let now = r.stamp.instant();
+                let until = now + self.config.timeout;
+                loop {
+                    match self.poll(&mut r, now, u64::MAX)? {
+                        Progress::Done => return Ok(()),
+                        Progress::Yielded => {}
+                        Progress::Blocked(w) => self.wait(&mut r, w, until)?,
+                    }
                 }
             }
         }

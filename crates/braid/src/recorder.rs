@@ -338,7 +338,7 @@ mod tests {
         let rec = Recorder::default();
         let op = Op::barrier();
         for seq in 0..(CAPACITY as u64 + 10) {
-            rec.start(0, seq, &op, Algo::Ring, Stamp::now());
+            rec.start(0, seq, &op, Some(Algo::Ring), Stamp::now());
             let res = if seq % 2 == 0 {
                 Ok(())
             } else {
@@ -393,7 +393,7 @@ mod tests {
                     0,
                 )
             };
-            rec.start(1, seq, &op, Algo::Direct, Stamp::now());
+            rec.start(1, seq, &op, Some(Algo::Direct), Stamp::now());
             rec.finish(1, seq, &Ok(()), seq);
             seq += 1;
         }

@@ -54,11 +54,16 @@ fn check_all(c: &Communicator, dtype: DType, op: ReduceOp, count: usize) {
     let mine = &inputs[rank];
     let mut send = c.alloc(bytes * world).unwrap();
     let mut recv = c.alloc(bytes * world).unwrap();
-    let what = |name: &str, inplace: bool| format!("{name} {dtype} {op:?} n={count} world={world} in_place={inplace} rank={rank}");
+    let what = |name: &str, inplace: bool| {
+        format!("{name} {dtype} {op:?} n={count} world={world} in_place={inplace} rank={rank}")
+    };
 
     // All-reduce, out of place then in place.
     let want = exact::reduced(
-        &inputs.iter().map(|b| b[..bytes].to_vec()).collect::<Vec<_>>(),
+        &inputs
+            .iter()
+            .map(|b| b[..bytes].to_vec())
+            .collect::<Vec<_>>(),
         dtype,
         op,
     );
@@ -70,7 +75,12 @@ fn check_all(c: &Communicator, dtype: DType, op: ReduceOp, count: usize) {
         c.all_reduce_bytes(s, r, dtype, op).unwrap();
     }
     assert_eq!(last_path(c), "shared", "{}", what("all_reduce", false));
-    assert_eq!(bytes_of(&recv, bytes), want, "{}", what("all_reduce", false));
+    assert_eq!(
+        bytes_of(&recv, bytes),
+        want,
+        "{}",
+        what("all_reduce", false)
+    );
     c.all_reduce_bytes_in_place(&mut send.as_mut_slice::<u8>()[..bytes], dtype, op)
         .unwrap();
     assert_eq!(bytes_of(&send, bytes), want, "{}", what("all_reduce", true));
@@ -90,7 +100,12 @@ fn check_all(c: &Communicator, dtype: DType, op: ReduceOp, count: usize) {
     )
     .unwrap();
     assert_eq!(last_path(c), "shared", "{}", what("reduce_scatter", false));
-    assert_eq!(bytes_of(&recv, bytes), want, "{}", what("reduce_scatter", false));
+    assert_eq!(
+        bytes_of(&recv, bytes),
+        want,
+        "{}",
+        what("reduce_scatter", false)
+    );
 
     // All-gather, out of place and in place (this rank's block inside the output).
     let want: Vec<u8> = inputs.iter().flat_map(|b| b[..bytes].to_vec()).collect();
@@ -102,12 +117,22 @@ fn check_all(c: &Communicator, dtype: DType, op: ReduceOp, count: usize) {
     )
     .unwrap();
     assert_eq!(last_path(c), "shared", "{}", what("all_gather", false));
-    assert_eq!(bytes_of(&recv, bytes * world), want, "{}", what("all_gather", false));
+    assert_eq!(
+        bytes_of(&recv, bytes * world),
+        want,
+        "{}",
+        what("all_gather", false)
+    );
     recv.as_mut_slice::<u8>()[..bytes * world].fill(0xAB);
     recv.as_mut_slice::<u8>()[rank * bytes..(rank + 1) * bytes].copy_from_slice(&mine[..bytes]);
     c.all_gather_in_place(&mut recv.as_mut_slice::<u8>()[..bytes * world])
         .unwrap();
-    assert_eq!(bytes_of(&recv, bytes * world), want, "{}", what("all_gather", true));
+    assert_eq!(
+        bytes_of(&recv, bytes * world),
+        want,
+        "{}",
+        what("all_gather", true)
+    );
 
     // Broadcast from the last rank, out of place and in place.
     let root = world - 1;
@@ -130,7 +155,10 @@ fn check_all(c: &Communicator, dtype: DType, op: ReduceOp, count: usize) {
     // Reduce to rank 1 (out of place; the non-roots' output is empty).
     let root = 1;
     let want = exact::reduced(
-        &inputs.iter().map(|b| b[..bytes].to_vec()).collect::<Vec<_>>(),
+        &inputs
+            .iter()
+            .map(|b| b[..bytes].to_vec())
+            .collect::<Vec<_>>(),
         dtype,
         op,
     );
@@ -157,13 +185,15 @@ fn every_collective_dtype_and_op_is_exact_on_shared_buffers() {
         with_ranks(world, config(20_000), |c| {
             for dtype in DType::ALL {
                 for op in ReduceOp::ARITHMETIC {
-                    for count in [1usize, 37] {
+                    // Small counts go through the boards (one exchange), 20 001 through the buffers.
+                    for count in [1usize, 37, 20_001] {
                         check_all(&c, dtype, op, count);
                     }
                 }
                 if !dtype.is_float() {
                     for op in ReduceOp::BITWISE {
                         check_all(&c, dtype, op, 37);
+                        check_all(&c, dtype, op, 20_001);
                     }
                 }
             }
@@ -193,8 +223,16 @@ fn large_odd_sizes_on_up_to_seven_ranks_match_the_rank_order_reduction_bit_for_b
                 .unwrap();
             let ins: Vec<Vec<f32>> = (0..c.world_size()).map(input).collect();
             let mut want = vec![0f32; n];
-            let srcs: Vec<Src> = ins.iter().map(|v| Src::Buf(bytemuck::cast_slice(v))).collect();
-            reduce_ordered(DType::F32, ReduceOp::Sum, bytemuck::cast_slice_mut(&mut want), &srcs);
+            let srcs: Vec<Src> = ins
+                .iter()
+                .map(|v| Src::Buf(bytemuck::cast_slice(v)))
+                .collect();
+            reduce_ordered(
+                DType::F32,
+                ReduceOp::Sum,
+                bytemuck::cast_slice_mut(&mut want),
+                &srcs,
+            );
             assert!(
                 buf.as_slice::<f32>()[..n]
                     .iter()
@@ -255,7 +293,11 @@ fn refused_allocations_fail_on_every_rank_and_change_nothing() {
         // More memory than the machine has, on rank 1.
         let avail = braid_core::alloc::mem_available().unwrap() as usize;
         let e = c
-            .alloc(if c.rank() == 1 { avail + (1 << 30) } else { 4096 })
+            .alloc(if c.rank() == 1 {
+                avail + (1 << 30)
+            } else {
+                4096
+            })
             .unwrap_err();
         assert!(matches!(e, Error::OutOfMemory(_)), "{e}");
         assert!(e.to_string().contains("rank 1"), "{e}");
@@ -279,7 +321,10 @@ fn ranks_that_disagree_on_shared_buffers_all_get_a_mismatch() {
     });
     for e in results {
         assert!(matches!(e, Error::Mismatch { .. }), "{e}");
-        assert!(e.to_string().contains("of 10 float") && e.to_string().contains("of 12 float"), "{e}");
+        assert!(
+            e.to_string().contains("of 10 float") && e.to_string().contains("of 12 float"),
+            "{e}"
+        );
     }
 }
 

@@ -549,6 +549,42 @@ static void buckets(braid_comm *comm, int rank) {
   g_checks += 6;
 }
 
+/* Shared buffers: memory every rank maps, collectives straight through it, refusals that agree. */
+static void shared_memory(braid_comm *comm, int rank) {
+  void *p = NULL;
+  EXPECT(braid_mem_alloc(comm, 4096, NULL) == BRAID_INVALID_ARGUMENT, "a NULL out was not refused");
+  EXPECT(braid_mem_alloc(comm, rank == 0 ? 0 : 4096, &p) == BRAID_INVALID_ARGUMENT && p == NULL,
+         "0 bytes on rank 0 was not refused on every rank");
+  size_t n = 100003;
+  float *a = NULL, *b = NULL;
+  CHECK(braid_mem_alloc(comm, n * sizeof(float), (void **)&a));
+  CHECK(braid_mem_alloc(comm, n * sizeof(float), (void **)&b));
+  EXPECT(((uintptr_t)a % 4096) == 0 && a[0] == 0.0f && a[n - 1] == 0.0f, "shared memory is not zeroed pages");
+  for (int round = 0; round < 3; round++) {
+    for (size_t i = 0; i < n; i++) a[i] = (float)((int)(i % 13) + rank + round);
+    CHECK(braid_all_reduce(a, b, n, BRAID_FLOAT32, BRAID_SUM, comm, NULL));
+    CHECK(braid_all_reduce(a, a, n, BRAID_FLOAT32, BRAID_MAX, comm, NULL));
+    int w = g_world, rs = w * (w - 1) / 2;
+    for (size_t i = 0; i < n; i++) {
+      EXPECT(b[i] == (float)(w * ((int)(i % 13) + round) + rs), "shared sum %zu is %g", i, b[i]);
+      EXPECT(a[i] == (float)((int)(i % 13) + w - 1 + round), "shared max %zu is %g", i, a[i]);
+    }
+  }
+  /* Small: through the boards. */
+  double d[3] = {rank, 1, -rank};
+  double *s = NULL;
+  CHECK(braid_mem_alloc(comm, sizeof d, (void **)&s));
+  memcpy(s, d, sizeof d);
+  CHECK(braid_all_reduce(s, s, 3, BRAID_FLOAT64, BRAID_SUM, comm, NULL));
+  EXPECT(s[1] == g_world && s[0] == -s[2], "small shared all-reduce: %g %g %g", s[0], s[1], s[2]);
+  EXPECT(braid_mem_free(comm, d) == BRAID_INVALID_ARGUMENT, "freeing memory braid did not allocate was accepted");
+  CHECK(braid_mem_free(comm, s));
+  EXPECT(braid_mem_free(comm, s) == BRAID_INVALID_ARGUMENT, "a double free was accepted");
+  CHECK(braid_mem_free(comm, NULL));
+  CHECK(braid_mem_free(comm, a));
+  CHECK(braid_mem_free(comm, b));
+}
+
 int main(void) {
   const char *root = getenv("BRAID_ROOT"), *secret = getenv("BRAID_SECRET");
   const char *rank_s = getenv("BRAID_RANK"), *world_s = getenv("BRAID_WORLD_SIZE");
@@ -585,6 +621,7 @@ int main(void) {
   async_more(comm, g_rank);
   bitwise(comm, g_rank);
   buckets(comm, g_rank);
+  shared_memory(comm, g_rank);
   uint64_t t0 = 0, t1 = 0;
   CHECK(braid_timeline_now(&t0));
   CHECK(braid_timeline_now(&t1));

@@ -23,6 +23,10 @@ const CACHE_LINE: usize = 64;
 
 /// Words in a collective's descriptor.
 pub const DESCRIPTOR_WORDS: usize = 10;
+/// Bytes a rank can place on its board itself (per stream, twice: collectives alternate between two
+/// areas, as they do between two descriptors), for small collectives that need one exchange of flags
+/// instead of three: a header line and the input.
+pub const INLINE_BYTES: usize = (8 << 10) + CACHE_LINE;
 
 // Board header offsets.
 const B_MAGIC: usize = 0;
@@ -30,10 +34,12 @@ const B_PID: usize = 8;
 const B_WORLD: usize = 12;
 const B_STREAMS: usize = 16;
 const B_FAILED: usize = 20;
-// Per-stream offsets: the counter alone on its line, the descriptor, the peers' sleep flags.
+// Per-stream offsets: the counter alone on its line, two descriptors, the peers' sleep flags, then
+// two inline areas.
 const S_COUNTER: usize = 0;
 const S_DESCRIPTOR: usize = CACHE_LINE;
-const S_WAITING: usize = S_DESCRIPTOR + (DESCRIPTOR_WORDS * 8).next_multiple_of(CACHE_LINE);
+const DESCRIPTOR_STRIDE: usize = (DESCRIPTOR_WORDS * 8).next_multiple_of(CACHE_LINE);
+const S_WAITING: usize = S_DESCRIPTOR + 2 * DESCRIPTOR_STRIDE;
 
 /// One rank's mapping of a file in shared memory.
 pub struct Window {
@@ -171,8 +177,12 @@ pub struct Board {
 }
 
 impl Board {
-    fn stream_stride(world: usize) -> usize {
+    fn inline_offset(world: usize) -> usize {
         S_WAITING + (world * 4).next_multiple_of(CACHE_LINE)
+    }
+
+    fn stream_stride(world: usize) -> usize {
+        Board::inline_offset(world) + 2 * INLINE_BYTES
     }
 
     /// Bytes of a board for `world` ranks and `streams` streams.
@@ -272,19 +282,33 @@ impl Board {
         (self.count(stream).wrapping_sub(target) as i32) >= 0
     }
 
-    /// Writes the descriptor of the owner's next collective on `stream` (before advancing the counter
-    /// that announces it).
-    pub fn set_descriptor(&self, stream: usize, words: &[u64; DESCRIPTOR_WORDS]) {
-        let base = self.stream_base(stream) + S_DESCRIPTOR;
+    /// Writes the descriptor of the owner's next collective on `stream` into area `parity` (0 or 1:
+    /// collectives alternate), before advancing the counter that announces it.
+    pub fn set_descriptor(&self, stream: usize, parity: usize, words: &[u64; DESCRIPTOR_WORDS]) {
+        let base = self.stream_base(stream) + S_DESCRIPTOR + (parity & 1) * DESCRIPTOR_STRIDE;
         for (i, w) in words.iter().enumerate() {
             self.word64(base + 8 * i).store(*w, Ordering::Relaxed);
         }
     }
 
-    /// The descriptor the owner wrote (read after [`Board::reached`] said it is there).
-    pub fn descriptor(&self, stream: usize) -> [u64; DESCRIPTOR_WORDS] {
-        let base = self.stream_base(stream) + S_DESCRIPTOR;
+    /// The descriptor the owner wrote in area `parity` (read after [`Board::reached`] said it is
+    /// there).
+    pub fn descriptor(&self, stream: usize, parity: usize) -> [u64; DESCRIPTOR_WORDS] {
+        let base = self.stream_base(stream) + S_DESCRIPTOR + (parity & 1) * DESCRIPTOR_STRIDE;
         std::array::from_fn(|i| self.word64(base + 8 * i).load(Ordering::Relaxed))
+    }
+
+    /// The first byte of inline area `parity` of `stream` ([`INLINE_BYTES`] long, 64-byte aligned),
+    /// in this process's mapping. Written by the owner before it announces a collective, read by the
+    /// peers after; the area alternates, so the owner rewrites it only once every peer has moved on
+    /// to a later collective.
+    pub fn inline_area(&self, stream: usize, parity: usize) -> *mut u8 {
+        let off = self.stream_base(stream)
+            + Board::inline_offset(self.world)
+            + (parity & 1) * INLINE_BYTES;
+        assert!(off + INLINE_BYTES <= self.win.len());
+        // SAFETY: in bounds (checked above) of a mapping that lives as long as `self`.
+        unsafe { self.win.as_ptr().add(off) }
     }
 
     /// Advances the owner's counter on `stream` to `value` (release: everything written before is
@@ -328,6 +352,34 @@ impl Board {
         ctx: &WaitCtx<'_>,
         until: Instant,
     ) -> Result<(), Error> {
+        self.wait_for(stream, waiter, owner, policy, ctx, until, || {
+            self.reached(stream, target)
+        })
+    }
+
+    /// The stamp word at the start of inline area `parity` of `stream`: the owner stores the counter
+    /// value of the collective whose input the area holds (release, after the input), so that a peer
+    /// polling it finds flag and input in one cache line.
+    pub fn inline_stamp(&self, stream: usize, parity: usize) -> &AtomicU64 {
+        let off = self.stream_base(stream)
+            + Board::inline_offset(self.world)
+            + (parity & 1) * INLINE_BYTES;
+        self.word64(off)
+    }
+
+    /// [`Board::wait`] for any condition on what the owner writes before it advances its counter on
+    /// `stream` (the counter is the word sleepers are woken on).
+    #[allow(clippy::too_many_arguments)]
+    pub fn wait_for(
+        &self,
+        stream: usize,
+        waiter: usize,
+        owner: usize,
+        policy: &WaitPolicy,
+        ctx: &WaitCtx<'_>,
+        until: Instant,
+        ready: impl FnMut() -> bool,
+    ) -> Result<(), Error> {
         wait_until(
             policy,
             ctx,
@@ -336,16 +388,17 @@ impl Board {
             "its turn in a collective on shared buffers",
             self.counter(stream),
             self.waiting(stream, waiter),
-            || self.reached(stream, target),
+            ready,
             || {
                 if self.failed() {
-                    return Err(ctx.peer_failed(owner, "it failed in a collective on shared buffers"));
+                    return Err(
+                        ctx.peer_failed(owner, "it failed in a collective on shared buffers")
+                    );
                 }
                 match &self.owner {
-                    Some(p) if !p.alive() => Err(ctx.peer_failed(
-                        owner,
-                        format!("its process {} exited", p.pid()),
-                    )),
+                    Some(p) if !p.alive() => {
+                        Err(ctx.peer_failed(owner, format!("its process {} exited", p.pid())))
+                    }
                     _ => Ok(()),
                 }
             },
@@ -394,7 +447,10 @@ mod tests {
         assert_eq!(a.offset_of(a.as_ptr() as usize + 96, 4000), Some(96));
         assert_eq!(a.offset_of(a.as_ptr() as usize + 97, 4000), None);
         assert_eq!(a.offset_of(a.as_ptr() as usize - 1, 1), None);
-        assert!(Window::open(a.path(), 8192).is_err(), "a size mismatch is refused");
+        assert!(
+            Window::open(a.path(), 8192).is_err(),
+            "a size mismatch is refused"
+        );
         let path = a.path().to_owned();
         drop(a);
         assert!(!path.exists());
@@ -408,11 +464,24 @@ mod tests {
         let d = dir();
         let own = Board::create(d.path(), "b0", 2, 2).unwrap();
         let seen = Board::open(own.path(), 0, 2, 2).unwrap();
-        assert!(Board::open(own.path(), 0, 3, 2).is_err(), "a world mismatch is refused");
-        own.set_descriptor(1, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+        assert!(
+            Board::open(own.path(), 0, 3, 2).is_err(),
+            "a world mismatch is refused"
+        );
+        own.set_descriptor(1, 1, &[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+        own.set_descriptor(1, 0, &[0; DESCRIPTOR_WORDS]);
         own.advance(1, 1);
         assert!(seen.reached(1, 1) && !seen.reached(1, 2) && !seen.reached(0, 1));
-        assert_eq!(seen.descriptor(1), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+        assert_eq!(seen.descriptor(1, 1), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+        assert_eq!(seen.descriptor(1, 0), [0; DESCRIPTOR_WORDS]);
+        // The inline areas are the same memory in both mappings, and apart from each other.
+        // SAFETY: in the areas, which nothing else touches here.
+        unsafe {
+            own.inline_area(1, 1).add(INLINE_BYTES - 1).write(9);
+            assert_eq!(seen.inline_area(1, 1).add(INLINE_BYTES - 1).read(), 9);
+            assert_eq!(seen.inline_area(1, 0).add(INLINE_BYTES - 1).read(), 0);
+        }
+        assert_eq!(own.inline_area(0, 0) as usize % CACHE_LINE, 0);
         // Wrapping: u32::MAX is reached once the counter wraps to 0.
         own.advance(0, 0);
         assert!(seen.reached(0, u32::MAX));

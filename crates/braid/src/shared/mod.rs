@@ -1,8 +1,9 @@
 //! Buffers every rank of a host maps ([`Communicator::alloc`]), and collectives that run straight
 //! through them: no slot, no staging copy. Rank `r` reduces slice `r` of the vector from every rank's
-//! input in rank order (so every rank ends with the same bits) and, for an all-reduce, copies the
-//! others' reduced slices from their outputs; a board of flags per rank orders the phases
-//! (`braid_transport::shm::window`).
+//! input in rank order (so every rank ends with the same bits) and, for an all-reduce, stores it into
+//! every rank's output; a board of flags per rank orders the phases (`braid_transport::shm::window`).
+//! Small collectives (inputs up to 8 KiB) go through copies on the boards instead, with one exchange
+//! of flags.
 //!
 //! A collective takes this path when every buffer it names (input and output, where non-empty) lies
 //! in memory from [`Communicator::alloc`], on every rank: each rank decides for itself, so all of them
@@ -13,7 +14,7 @@
 mod run;
 
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Instant;
 
 use braid_core::{DType, Element, Error, ReduceOp};
@@ -23,8 +24,8 @@ use braid_transport::{Span, WaitPolicy};
 use crate::exec::{Kind, Op};
 use crate::Communicator;
 
-pub(crate) use run::SharedRun;
 use run::Place;
+pub(crate) use run::SharedRun;
 
 /// Where shared memory lives (tmpfs).
 const DIR: &str = "/dev/shm";
@@ -34,8 +35,8 @@ const PATH_BYTES: usize = 112;
 
 /// Memory that every rank of the host maps, from [`Communicator::alloc`]. Collectives whose buffers
 /// all lie in such memory (on every rank) run through it directly. Page-aligned, zeroed when
-/// allocated. Dropping it unmaps this rank's mapping; the other ranks' mappings of it, and so the
-/// memory, last until their communicators are dropped.
+/// allocated. Every rank's mapping of it lasts as long as its communicator: dropping the buffer
+/// only ends its use by collectives.
 pub struct SharedBuffer {
     window: Arc<Window>,
     index: usize,
@@ -103,8 +104,9 @@ impl std::fmt::Debug for SharedBuffer {
 
 /// One allocation as this rank sees it.
 struct Allocation {
-    /// This rank's window (gone once its buffer is dropped).
-    own: Weak<Window>,
+    /// This rank's window, also held by its [`SharedBuffer`] until that is dropped (then it stays
+    /// mapped, so its addresses are never reused under this table, but takes no collectives).
+    own: Arc<Window>,
     /// Every rank's window, as (address here, bytes); the peers' mappings are kept in `maps`.
     places: Vec<(usize, usize)>,
     #[allow(dead_code)]
@@ -117,8 +119,9 @@ pub(crate) struct Shared {
     boards: Vec<Board>,
     allocations: Vec<Allocation>,
     policy: WaitPolicy,
-    /// Per stream, the counter's value after the last collective on shared buffers.
-    next: Vec<u32>,
+    /// Per stream, the counter's value after the last collective on shared buffers, and how many
+    /// such collectives have run (their parity picks the descriptor and inline area).
+    next: Vec<(u32, u64)>,
 }
 
 impl Shared {
@@ -149,8 +152,10 @@ impl Shared {
         }
         span.host_ptr()?;
         self.allocations.iter().enumerate().find_map(|(i, a)| {
-            let w = a.own.upgrade()?;
-            let off = w.offset_of(span.addr(), span.len())?;
+            if Arc::strong_count(&a.own) < 2 {
+                return None;
+            }
+            let off = a.own.offset_of(span.addr(), span.len())?;
             Some(Place {
                 alloc: i as u64,
                 offset: off as u64,
@@ -171,11 +176,6 @@ impl Shared {
         Some((self.place(&send)?, self.place(&recv)?))
     }
 
-    /// Whether `op` runs straight through shared buffers.
-    pub(crate) fn takes(&self, op: &Op) -> bool {
-        self.places(op).is_some()
-    }
-
     /// The run of `op` on shared buffers, when its kind takes that path and all its buffers are
     /// shared; `None` otherwise (the op runs on messages).
     pub(crate) fn start(
@@ -187,11 +187,23 @@ impl Shared {
         deadline: Instant,
     ) -> Option<SharedRun> {
         let (send, recv) = self.places(op)?;
+        let world = self.world();
         let next = self.next.get_mut(stream)?;
-        let base = *next;
-        *next = base.wrapping_add(3);
+        let (base, ops) = *next;
+        *next = (base.wrapping_add(3), ops + 1);
+        let (input, output) = op.spans();
         Some(SharedRun::new(
-            op.kind, op.dtype, op.redop(), op.count, send, recv, stream, seq, base, started,
+            op.kind,
+            op.dtype,
+            op.redop(),
+            op.count,
+            (send, recv),
+            ((input.addr(), input.len()), output.addr()),
+            world,
+            stream,
+            seq,
+            (base, ops),
+            started,
             deadline,
         ))
     }
@@ -215,6 +227,9 @@ impl Shared {
         run.wait(self, abort, until)
     }
 }
+
+/// The peers' windows, every rank's (address, bytes), and the peers' boards (the first time).
+type Mapped = (Vec<Window>, Vec<(usize, usize)>, Vec<Option<Board>>);
 
 /// This rank's part of an allocation exchange.
 struct Record {
@@ -330,7 +345,10 @@ impl Communicator {
                 (_, 3) => "it asked for 0 bytes".into(),
                 _ => "creating its shared memory failed".into(),
             };
-            let msg = format!("alloc: rank {p} could not allocate {} bytes: {why}", r.bytes);
+            let msg = format!(
+                "alloc: rank {p} could not allocate {} bytes: {why}",
+                r.bytes
+            );
             return Err(if r.status == 1 {
                 Error::OutOfMemory(msg)
             } else {
@@ -338,7 +356,7 @@ impl Communicator {
             });
         }
         // Map everyone's window (and board); then agree that everyone could.
-        let opened = (|| -> Result<(Vec<Window>, Vec<(usize, usize)>, Vec<Option<Board>>), Error> {
+        let opened = (|| -> Result<Mapped, Error> {
             let mut maps = Vec::new();
             let mut places = Vec::with_capacity(world);
             let mut boards = Vec::with_capacity(world);
@@ -349,13 +367,19 @@ impl Communicator {
                     boards.push(None);
                     continue;
                 }
-                let len = usize::try_from(r.bytes)
-                    .map_err(|_| Error::Bootstrap(format!("rank {p} announced {} bytes", r.bytes)))?;
+                let len = usize::try_from(r.bytes).map_err(|_| {
+                    Error::Bootstrap(format!("rank {p} announced {} bytes", r.bytes))
+                })?;
                 let w = Window::open(std::path::Path::new(&r.window), len)?;
                 places.push((w.as_ptr() as usize, w.len()));
                 maps.push(w);
                 boards.push(if first {
-                    Some(Board::open(std::path::Path::new(&r.board), p, world, streams)?)
+                    Some(Board::open(
+                        std::path::Path::new(&r.board),
+                        p,
+                        world,
+                        streams,
+                    )?)
                 } else {
                     None
                 });
@@ -410,7 +434,7 @@ impl Communicator {
                 boards: all,
                 allocations: Vec::new(),
                 policy: WaitPolicy::for_host(local, inner.config.spin_us),
-                next: vec![0; streams],
+                next: vec![(0, 0); streams],
             });
         }
         let Some(shared) = exec.shared.as_mut() else {
@@ -418,7 +442,7 @@ impl Communicator {
         };
         let index = shared.allocations.len();
         shared.allocations.push(Allocation {
-            own: Arc::downgrade(&window),
+            own: window.clone(),
             places,
             maps,
         });

@@ -1,19 +1,27 @@
 //! One collective run straight through shared buffers, as a polled state machine like the executor's
 //! runs: announce (descriptor, then the counter), check every rank's descriptor, reduce or copy this
-//! rank's part, and for an all-reduce copy the others' reduced slices once they are done; then wait
-//! until every rank is done with every buffer, so that the caller may change them again.
+//! rank's part (for an all-reduce: reduce slice `r` of every input and store it into every rank's
+//! output, chunk by chunk); then wait until every rank is done with every buffer, so that the caller
+//! may change them again.
 //!
-//! Each stream's counter moves by three per collective: `base + 1` announced, `base + 2` this rank's
-//! part done, `base + 3` finished with the buffers.
+//! Each stream's counter moves by three per collective: `base + 1` announced, `base + 3` this rank's
+//! part done (`base + 2` is left free).
+//!
+//! A small collective (every rank's input at most [`INLINE_BYTES`]) needs one exchange instead of
+//! three: each rank copies its input onto its own board and announces it (`base + 3` at once); once
+//! every rank has, each computes its own output from the boards. No rank reads another's buffers, so
+//! nothing waits for the others to finish. Descriptors and inline areas alternate between two copies
+//! per stream, so a rank rewrites one only after every peer has announced a later collective (and so
+//! finished reading it).
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use braid_core::reduce::{reduce_ordered, Src};
 use braid_core::{DType, Error, ReduceOp};
 use braid_exec::{Progress, Wait};
 use braid_sched::shared::slice;
-use braid_transport::shm::window::DESCRIPTOR_WORDS;
+use braid_transport::shm::window::{DESCRIPTOR_WORDS, INLINE_BYTES};
 use braid_transport::WaitCtx;
 
 use super::Shared;
@@ -22,14 +30,22 @@ use crate::exec::Kind;
 /// Bytes of output per step: a poll's budget counts these.
 const STEP_BYTES: usize = 256 << 10;
 
+/// An inline area starts with its stamp (the counter value of the collective it holds), the
+/// collective's kind and shape (two words, the descriptor's first three packed) and the input, so that
+/// a small collective's peers find all of it in one cache line.
+const INLINE_HEADER: usize = 32;
+/// The most input bytes an inline collective takes.
+const INLINE_INPUT: usize = 8 << 10;
+const _: () = assert!(INLINE_HEADER + INLINE_INPUT <= INLINE_BYTES);
+/// Ranks whose sources an inline reduction lists on the stack.
+const STACK_RANKS: usize = 16;
+
 /// Where a run stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
     Announce,
     Check,
     Part,
-    Others,
-    Gather,
     Finish,
     Done,
 }
@@ -68,6 +84,16 @@ pub(crate) struct SharedRun {
     desc: [u64; DESCRIPTOR_WORDS],
     /// The counter's value before this run.
     base: u32,
+    /// Which of the two descriptors and inline areas it uses.
+    parity: usize,
+    /// Its number among the stream's collectives on shared buffers, plus one: the inline stamp.
+    stamp: u64,
+    /// Whether it runs through the boards' inline areas (one exchange).
+    inline: bool,
+    /// This rank's input, copied onto its board when inline.
+    input: (usize, usize),
+    /// This rank's output (written by the inline path).
+    recv_addr: usize,
     phase: Phase,
     /// Every rank's (input, output) address in this process's mappings, once checked.
     addrs: Vec<(usize, usize)>,
@@ -111,14 +137,17 @@ impl SharedRun {
         dtype: DType,
         redop: ReduceOp,
         count: usize,
-        send: Place,
-        recv: Place,
+        (send, recv): (Place, Place),
+        (input, recv_addr): ((usize, usize), usize),
+        world: usize,
         stream: usize,
         seq: u64,
-        base: u32,
+        (base, ops): (u32, u64),
         started: Instant,
         deadline: Instant,
     ) -> SharedRun {
+        let inline =
+            (0..world).all(|p| lens(kind, count, dtype.size(), world, p).0 <= INLINE_INPUT);
         let desc = [
             kind_code(kind),
             dtype as u64 | (redop as u64) << 8,
@@ -140,6 +169,11 @@ impl SharedRun {
             count,
             desc,
             base,
+            parity: (ops & 1) as usize,
+            stamp: ops + 1,
+            inline,
+            input,
+            recv_addr,
             phase: Phase::Announce,
             addrs: Vec::new(),
             jobs: Vec::new(),
@@ -155,6 +189,22 @@ impl SharedRun {
         for (p, b) in sh.boards.iter().enumerate() {
             if !b.reached(self.stream, target) {
                 self.waiting = (p, target);
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Whether every rank has stamped its inline area for this run; if not, waits for the first that
+    /// has not.
+    fn all_stamped(&mut self, sh: &Shared) -> bool {
+        let want = self.stamp;
+        for (p, b) in sh.boards.iter().enumerate() {
+            if b.inline_stamp(self.stream, self.parity)
+                .load(Ordering::Acquire)
+                != want
+            {
+                self.waiting = (p, 0);
                 return false;
             }
         }
@@ -183,11 +233,44 @@ impl SharedRun {
         loop {
             match self.phase {
                 Phase::Announce => {
-                    sh.own().set_descriptor(stream, &self.desc);
-                    sh.own().advance(stream, base.wrapping_add(1));
+                    let own = sh.own();
+                    if self.inline {
+                        let (at, len) = self.input;
+                        let area = own.inline_area(stream, self.parity);
+                        let header = self.header();
+                        // SAFETY: the op's input is valid for `len` bytes (the op's contract);
+                        // the header and `len <= INLINE_INPUT` bytes fit the area; the area is
+                        // this rank's to write until it announces (see the module docs), and
+                        // 64-byte aligned.
+                        unsafe {
+                            (area.add(8) as *mut [u64; 2]).write(header);
+                            std::ptr::copy_nonoverlapping(
+                                at as *const u8,
+                                area.add(INLINE_HEADER),
+                                len,
+                            );
+                        }
+                        // The stamp last (release): whoever sees it sees the input.
+                        let done = base.wrapping_add(3);
+                        own.inline_stamp(stream, self.parity)
+                            .store(self.stamp, Ordering::Release);
+                        // Nothing follows that a peer waits for: the run's last value at once.
+                        own.advance(stream, done);
+                    } else {
+                        own.set_descriptor(stream, self.parity, &self.desc);
+                        own.advance(stream, base.wrapping_add(1));
+                    }
                     self.phase = Phase::Check;
                 }
                 Phase::Check => {
+                    if self.inline {
+                        if !self.all_stamped(sh) {
+                            return Ok(self.wait_for());
+                        }
+                        self.run_inline(sh)?;
+                        self.phase = Phase::Done;
+                        continue;
+                    }
                     if !self.all_reached(sh, base.wrapping_add(1)) {
                         return Ok(self.wait_for());
                     }
@@ -196,25 +279,12 @@ impl SharedRun {
                     self.at = (0, 0);
                     self.phase = Phase::Part;
                 }
-                Phase::Part | Phase::Gather => {
+                Phase::Part => {
                     if !self.work(&mut steps, budget) {
                         return Ok(Progress::Yielded);
                     }
-                    if self.phase == Phase::Part && self.kind == Kind::AllReduce {
-                        sh.own().advance(stream, base.wrapping_add(2));
-                        self.phase = Phase::Others;
-                    } else {
-                        sh.own().advance(stream, base.wrapping_add(3));
-                        self.phase = Phase::Finish;
-                    }
-                }
-                Phase::Others => {
-                    if !self.all_reached(sh, base.wrapping_add(2)) {
-                        return Ok(self.wait_for());
-                    }
-                    self.jobs = self.gather(sh.rank, sh.world());
-                    self.at = (0, 0);
-                    self.phase = Phase::Gather;
+                    sh.own().advance(stream, base.wrapping_add(3));
+                    self.phase = Phase::Finish;
                 }
                 Phase::Finish => {
                     if !self.all_reached(sh, base.wrapping_add(3)) {
@@ -243,15 +313,16 @@ impl SharedRun {
             started: self.started,
             abort,
         };
-        let r = sh.boards[peer].wait(
-            self.stream,
-            target,
-            sh.rank,
-            peer,
-            &sh.policy,
-            &ctx,
-            until.min(self.deadline),
-        );
+        let board = &sh.boards[peer];
+        let until = until.min(self.deadline);
+        let r = if self.inline {
+            let (stamp, want) = (board.inline_stamp(self.stream, self.parity), self.stamp);
+            board.wait_for(self.stream, sh.rank, peer, &sh.policy, &ctx, until, || {
+                stamp.load(Ordering::Acquire) == want
+            })
+        } else {
+            board.wait(self.stream, target, sh.rank, peer, &sh.policy, &ctx, until)
+        };
         if r.is_err() {
             self.phase = Phase::Done;
             sh.own().fail();
@@ -267,7 +338,7 @@ impl SharedRun {
             let d = if p == sh.rank {
                 self.desc
             } else {
-                sh.boards[p].descriptor(self.stream)
+                sh.boards[p].descriptor(self.stream, self.parity)
             };
             if d[..3] != self.desc[..3] {
                 return Err(Error::Mismatch {
@@ -322,14 +393,31 @@ impl SharedRun {
         let recv = |p: usize| self.addrs[p].1;
         let every = |at: usize| (0..world).map(|p| send(p) + at).collect::<Vec<_>>();
         match self.kind {
-            Kind::AllReduce | Kind::Reduce { .. } => {
+            Kind::AllReduce => {
+                // Chunk by chunk: reduce it into this rank's output, then store it into every other
+                // rank's while it is still in this core's cache.
                 let s = slice(c, es, world, rank);
-                let dst_rank = match self.kind {
-                    Kind::Reduce { root } => root,
-                    _ => rank,
-                };
+                let step = (STEP_BYTES / es).max(1);
+                let mut jobs = Vec::new();
+                for at in (s.start..s.end).step_by(step) {
+                    let (off, bytes) = (at * es, step.min(s.end - at) * es);
+                    jobs.push(Job {
+                        dst: recv(rank) + off,
+                        srcs: every(off),
+                        bytes,
+                    });
+                    jobs.extend((0..world).filter(|&p| p != rank).map(|p| Job {
+                        dst: recv(p) + off,
+                        srcs: vec![recv(rank) + off],
+                        bytes,
+                    }));
+                }
+                jobs
+            }
+            Kind::Reduce { root } => {
+                let s = slice(c, es, world, rank);
                 vec![Job {
-                    dst: recv(dst_rank) + s.start * es,
+                    dst: recv(root) + s.start * es,
                     srcs: every(s.start * es),
                     bytes: s.len() * es,
                 }]
@@ -355,20 +443,81 @@ impl SharedRun {
         }
     }
 
-    /// An all-reduce's second part: the other ranks' reduced slices.
-    fn gather(&self, rank: usize, world: usize) -> Vec<Job> {
-        let es = self.dtype.size();
-        (0..world)
-            .filter(|&p| p != rank)
-            .map(|p| {
-                let s = slice(self.count, es, world, p);
-                Job {
-                    dst: self.addrs[rank].1 + s.start * es,
-                    srcs: vec![self.addrs[p].1 + s.start * es],
-                    bytes: s.len() * es,
+    /// The inline area's header: the descriptor's kind, dtype and op, and count, packed.
+    fn header(&self) -> [u64; 2] {
+        [self.desc[0], self.desc[1] | self.desc[2] << 16]
+    }
+
+    /// An inline collective once every rank has announced it: checks every rank's header, then
+    /// computes this rank's whole output from the copies on the boards (no allocation for up to
+    /// [`STACK_RANKS`] ranks).
+    fn run_inline(&self, sh: &Shared) -> Result<(), Error> {
+        let (rank, world, stream) = (sh.rank, sh.world(), self.stream);
+        let want = self.header();
+        let area = |p: usize| sh.boards[p].inline_area(stream, self.parity);
+        for p in (0..world).filter(|&p| p != rank) {
+            // SAFETY: the area is 64-byte aligned and at least a header long; rank `p` wrote it before
+            // advancing the counter this rank has seen (acquire), and rewrites it only after this
+            // rank has announced a later collective.
+            let got = unsafe { (area(p).add(8) as *const [u64; 2]).read() };
+            if got != want {
+                let mut desc = [0u64; DESCRIPTOR_WORDS];
+                desc[0] = got[0];
+                desc[1] = got[1] & 0xffff;
+                desc[2] = got[1] >> 16;
+                return Err(Error::Mismatch {
+                    rank,
+                    peer: p,
+                    collective: self.kind.name().into(),
+                    seq: self.seq,
+                    detail: format!(
+                        "on shared buffers this rank runs {}, rank {p} {}",
+                        describe(&self.desc),
+                        describe(&desc)
+                    ),
+                });
+            }
+        }
+        let (es, c) = (self.dtype.size(), self.count);
+        let out_len = lens(self.kind, c, es, world, rank).1;
+        let recv = self.recv_addr;
+        // SAFETY: `recv` is this rank's output of `out_len` bytes (the op's contract), which no peer
+        // reads or writes on the inline path; every source lies within a peer's inline area (its input
+        // is at most INLINE_INPUT bytes, checked when the run chose the inline path), which its owner
+        // does not rewrite until this rank announces a later collective.
+        unsafe {
+            let out = std::slice::from_raw_parts_mut(recv as *mut u8, out_len);
+            let input = |p: usize, at: usize, len: usize| {
+                std::slice::from_raw_parts(area(p).add(INLINE_HEADER + at) as *const u8, len)
+            };
+            let reduce = |out: &mut [u8], at: usize| {
+                let n = out.len();
+                if world <= STACK_RANKS {
+                    let mut srcs = [Src::Dst; STACK_RANKS];
+                    for (p, s) in srcs.iter_mut().enumerate().take(world) {
+                        *s = Src::Buf(input(p, at, n));
+                    }
+                    reduce_ordered(self.dtype, self.redop, out, &srcs[..world]);
+                } else {
+                    let srcs: Vec<Src<'_>> =
+                        (0..world).map(|p| Src::Buf(input(p, at, n))).collect();
+                    reduce_ordered(self.dtype, self.redop, out, &srcs);
                 }
-            })
-            .collect()
+            };
+            match self.kind {
+                Kind::AllReduce => reduce(out, 0),
+                Kind::Reduce { root } if root == rank => reduce(out, 0),
+                Kind::ReduceScatter => reduce(out, rank * c * es),
+                Kind::AllGather => {
+                    for (p, block) in out.chunks_exact_mut(c * es).enumerate() {
+                        block.copy_from_slice(input(p, 0, c * es));
+                    }
+                }
+                Kind::Broadcast { root } => out.copy_from_slice(input(root, 0, c * es)),
+                Kind::Reduce { .. } | Kind::Barrier | Kind::AllToAll => {}
+            }
+        }
+        Ok(())
     }
 
     /// Runs jobs until they are all done (`true`) or the step budget is spent.
@@ -408,7 +557,11 @@ impl SharedRun {
                         .collect();
                     reduce_ordered(self.dtype, self.redop, out, &srcs);
                 } else if job.srcs[0] + done != dst {
-                    std::ptr::copy_nonoverlapping((job.srcs[0] + done) as *const u8, dst as *mut u8, n);
+                    std::ptr::copy_nonoverlapping(
+                        (job.srcs[0] + done) as *const u8,
+                        dst as *mut u8,
+                        n,
+                    );
                 }
             }
             self.at.1 += n;
@@ -443,26 +596,54 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_collective_is_inline_when_every_rank_s_input_fits_its_board() {
+        let run = |kind, count, world| {
+            SharedRun::new(
+                kind,
+                DType::F64,
+                ReduceOp::Sum,
+                count,
+                (Place::NONE, Place::NONE),
+                ((0, 0), 0),
+                world,
+                0,
+                0,
+                (0, 0),
+                Instant::now(),
+                Instant::now(),
+            )
+            .inline
+        };
+        assert!(run(Kind::AllReduce, INLINE_INPUT / 8, 4));
+        assert!(!run(Kind::AllReduce, INLINE_INPUT / 8 + 1, 4));
+        // A reduce-scatter's input is world blocks.
+        assert!(!run(Kind::ReduceScatter, INLINE_INPUT / 8 / 4 + 1, 4));
+        assert!(run(Kind::AllGather, INLINE_INPUT / 8, 4));
+    }
+
+    #[test]
     fn every_rank_names_the_lengths_its_collective_needs() {
         assert_eq!(lens(Kind::AllReduce, 3, 4, 2, 1), (12, 12));
         assert_eq!(lens(Kind::ReduceScatter, 3, 4, 5, 0), (60, 12));
         assert_eq!(lens(Kind::AllGather, 3, 2, 5, 4), (6, 30));
         assert_eq!(lens(Kind::Reduce { root: 1 }, 3, 8, 3, 0), (24, 0));
         assert_eq!(lens(Kind::Reduce { root: 1 }, 3, 8, 3, 1), (24, 24));
-        let d = SharedRun::new(
+        let r = SharedRun::new(
             Kind::Broadcast { root: 2 },
             DType::F32,
             ReduceOp::Sum,
             7,
-            Place::NONE,
-            Place::NONE,
+            (Place::NONE, Place::NONE),
+            ((0, 28), 0),
+            3,
             0,
             0,
-            0,
+            (0, 0),
             Instant::now(),
             Instant::now(),
-        )
-        .desc;
+        );
+        assert!(r.inline, "28 bytes go through the boards");
+        let d = r.desc;
         assert_eq!(describe(&d), "broadcast (root 2, sum) of 7 float");
     }
 }
