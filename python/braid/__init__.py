@@ -216,6 +216,8 @@ _SIGNATURES = {
     "braid_comm_abort": [_p],
     "braid_comm_register": [_p, _p, _sz, ctypes.POINTER(_i)],
     "braid_comm_deregister": [_p, _p, _sz],
+    "braid_mem_alloc": [_p, _sz, _pp],
+    "braid_mem_free": [_p, _p],
     "braid_comm_get_async_error": [_p, ctypes.POINTER(_i)],
     "braid_comm_count": [_p, ctypes.POINTER(_i)],
     "braid_comm_rank": [_p, ctypes.POINTER(_i)],
@@ -969,6 +971,26 @@ class Communicator(_Closes):
         zero_copy = _i()
         _check(_lib.braid_comm_register(self.handle, _ptr(x), x.nbytes, ctypes.byref(zero_copy)))
         return Registration(self, x, bool(zero_copy.value))
+
+    def alloc(self, shape, dtype=np.float32):
+        """A zeroed numpy array of ``shape`` and ``dtype`` in memory every rank of the host maps
+        (``braid_mem_alloc``). Collective: every rank calls it, in the same order. Collectives whose
+        arrays all lie in such memory, on every rank, run straight through it, with no staging copies
+        (all ranks must pass such arrays, or none). Memory the machine does not have raises
+        :class:`BraidOutOfMemoryError` on every rank. The memory stays mapped until :meth:`close`: do not use
+        the array after closing the communicator."""
+        dt = np.dtype(dtype)
+        shape = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        ptr = ctypes.c_void_p()
+        _check(_lib.braid_mem_alloc(self.handle, nbytes, ctypes.byref(ptr)))
+        raw = (ctypes.c_char * nbytes).from_address(ptr.value)
+        return np.frombuffer(raw, dtype=dt).reshape(shape)
+
+    def free(self, x):
+        """Ends the use by collectives of an array from :meth:`alloc` (``braid_mem_free``; not
+        collective). Anything else raises :class:`InvalidArgumentError`."""
+        _check(_lib.braid_mem_free(self.handle, ctypes.c_void_p(x.__array_interface__["data"][0])))
 
     # -- collectives -------------------------------------------------------------------------------
 

@@ -104,6 +104,29 @@ class Collectives(unittest.TestCase):
         # Deregistered: the same range registers again.
         self.comm.register(x).close()
 
+    def test_shared_memory(self):
+        n = 100003
+        x = self.comm.alloc(n, np.float32)
+        y = self.comm.alloc((n,), np.float32)
+        self.assertEqual((x.shape, x.dtype), ((n,), np.float32))
+        self.assertTrue((x == 0).all())
+        for op in ["sum", "max", "prod"]:
+            x[:] = inputs(self.rank, n, np.float32, op)
+            self.comm.all_reduce(x, op=op, out=y)
+            np.testing.assert_array_equal(y, expected(self.world, n, np.float32, op))
+            self.comm.all_reduce(x, op=op)
+            np.testing.assert_array_equal(x, expected(self.world, n, np.float32, op))
+        small = self.comm.alloc((2, 3), np.int64)
+        small[:] = self.rank
+        self.comm.all_reduce(small)
+        self.assertTrue((small == self.world * (self.world - 1) // 2).all())
+        with self.assertRaises(braid.InvalidArgumentError):
+            self.comm.free(np.zeros(4))
+        with self.assertRaises(braid.InvalidArgumentError):
+            self.comm.alloc(0)
+        for a in (x, y, small):
+            self.comm.free(a)
+
     def test_reduce_scatter(self):
         n = 17
         for op in ("sum", "max"):

@@ -46,10 +46,11 @@ fn big() -> usize {
 // Rank side.
 
 /// The transports the harness-side cases run over: `BRAID_TEST_TRANSPORTS` (comma-separated, e.g.
-/// `rdma` inside the RDMA test guest), by default shared memory and TCP.
+/// `rdma` inside the RDMA test guest), by default shared memory, TCP and `shared` (shared memory with
+/// the all-reduces' buffers from `Communicator::alloc`, so that they run straight through them).
 fn transports() -> Vec<&'static str> {
     let Ok(v) = std::env::var("BRAID_TEST_TRANSPORTS") else {
-        return vec!["shm", "tcp"];
+        return vec!["shm", "tcp", "shared"];
     };
     v.split(',')
         .map(str::trim)
@@ -58,8 +59,17 @@ fn transports() -> Vec<&'static str> {
             "shm" => "shm",
             "tcp" => "tcp",
             "rdma" => "rdma",
-            other => panic!("BRAID_TEST_TRANSPORTS: {other:?} is not shm, tcp or rdma"),
+            "shared" => "shared",
+            other => panic!("BRAID_TEST_TRANSPORTS: {other:?} is not shm, tcp, shared or rdma"),
         })
+        .collect()
+}
+
+/// [`transports`] without `shared`: the cases whose buffers are their own.
+fn link_transports() -> Vec<&'static str> {
+    transports()
+        .into_iter()
+        .filter(|t| *t != "shared")
         .collect()
 }
 
@@ -130,6 +140,17 @@ fn second_communicator() -> Result<String, String> {
 /// A victim dies or stops ~30 ms into a stream of large all-reduces; the survivors report what they saw.
 fn scenario_fault(c: &Communicator, fault: &str, victim: usize) -> i32 {
     let (rank, world) = (c.rank(), c.world_size());
+    let mut shared = std::env::var_os("FAULTS_SHARED").map(|_| c.alloc(big() * 4).unwrap());
+    let mut own = if shared.is_some() {
+        Vec::new()
+    } else {
+        vec![1.0f32; big()]
+    };
+    let buf: &mut [f32] = match &mut shared {
+        Some(s) => &mut s.as_mut_slice()[..big()],
+        None => &mut own,
+    };
+    buf.fill(1.0);
     c.barrier().unwrap();
     let start = Instant::now();
     if rank == victim {
@@ -145,11 +166,10 @@ fn scenario_fault(c: &Communicator, fault: &str, victim: usize) -> i32 {
             }
         });
     }
-    let mut buf = vec![1.0f32; big()];
     let mut done = 0usize;
     let (first, call) = loop {
         let t = Instant::now();
-        match c.all_reduce_in_place(&mut buf, ReduceOp::Sum) {
+        match c.all_reduce_in_place(buf, ReduceOp::Sum) {
             Ok(()) => {
                 if buf.iter().any(|v| *v != world as f32) {
                     println!("FAIL all-reduce #{done} before the fault gave a wrong result");
@@ -792,7 +812,12 @@ fn run_fault(transport: &'static str, fault: &'static str, victim: usize) -> Row
             let mut vars = job_vars(r, world, port, &s1, FAULT_TIMEOUT_MS);
             vars.push(("BRAID_ROOT2".into(), format!("127.0.0.1:{port2}")));
             vars.push(("BRAID_SECRET2".into(), s2.clone()));
-            vars.push(("BRAID_TRANSPORT".into(), transport.into()));
+            if transport == "shared" {
+                vars.push(("BRAID_TRANSPORT".into(), "shm".into()));
+                vars.push(("FAULTS_SHARED".into(), "1".into()));
+            } else {
+                vars.push(("BRAID_TRANSPORT".into(), transport.into()));
+            }
             if let Some(r2) = survivors.iter().position(|s| *s == r) {
                 vars.push(("BRAID_RANK2".into(), r2.to_string()));
             }
@@ -948,7 +973,7 @@ fn test_fault_matrix() {
 }
 
 fn test_abort_across_processes() {
-    for transport in transports() {
+    for transport in link_transports() {
         let port = free_port();
         let s = secret(77);
         let start = Instant::now();
@@ -995,7 +1020,7 @@ fn test_abort_across_processes() {
 }
 
 fn test_destroy_never_hangs() {
-    let cases = transports()
+    let cases = link_transports()
         .into_iter()
         .flat_map(|t| [(t, "kill"), (t, "stop")]);
     for (transport, mode) in cases {
@@ -1033,7 +1058,7 @@ fn test_destroy_never_hangs() {
 fn test_soak() {
     let ops: usize = std::env::var("SOAK_OPS").map_or(3000, |v| v.parse().expect("SOAK_OPS"));
     // Over a network a third as many: each op costs more, and the point is the mix, not the count.
-    let cases = transports()
+    let cases = link_transports()
         .into_iter()
         .map(|t| (t, if t == "shm" { ops } else { ops.div_ceil(3) }));
     for (transport, ops) in cases {

@@ -34,10 +34,12 @@ use std::time::Instant;
 
 use braid_core::{DType, Element, Error, ReduceOp};
 
+use crate::comm::OwnedBytes;
 use crate::compressed::Carried;
 use crate::exec::Kind;
 use crate::{
-    Communicator, CompressedReport, CompressionConfig, GradientCompressor, Priority, Work,
+    Communicator, CompressedReport, CompressionConfig, GradientCompressor, Priority, SharedBuffer,
+    Work,
 };
 
 /// How a [`GradientBuckets`] lays out and reduces its buckets.
@@ -59,6 +61,10 @@ pub struct BucketOptions {
     pub rebuild: bool,
     /// Count a parameter not marked ready by `finish` as a zero gradient instead of failing the step.
     pub unused_as_zero: bool,
+    /// Keep dense buckets in memory every rank of the host maps ([`Communicator::alloc`]), so that
+    /// their all-reduces run straight through it (default true; taken when every rank is on one host
+    /// and there is no compression, private memory otherwise).
+    pub shared: bool,
 }
 
 impl Default for BucketOptions {
@@ -71,6 +77,7 @@ impl Default for BucketOptions {
             compression: None,
             rebuild: true,
             unused_as_zero: false,
+            shared: true,
         }
     }
 }
@@ -113,18 +120,42 @@ struct Place {
     offset: usize,
 }
 
+/// A bucket's fused gradients: private words (8-byte, so every dtype is aligned), or shared memory.
+enum Storage {
+    Own(Vec<u64>),
+    Shared(SharedBuffer),
+}
+
+impl Storage {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Storage::Own(v) => bytemuck::cast_slice(v),
+            Storage::Shared(b) => b.as_slice(),
+        }
+    }
+}
+
+impl OwnedBytes for Storage {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Storage::Own(v) => bytemuck::cast_slice_mut(v),
+            Storage::Shared(b) => b.as_mut_slice(),
+        }
+    }
+}
+
 /// One bucket's layout and its state in the current step.
 struct Bucket {
     params: Vec<usize>,
     dtype: DType,
     bytes: usize,
-    /// The fused gradients (8-byte words, so every dtype is aligned); `None` while in flight, or after a
-    /// failed step (made again on the next use).
-    buffer: Option<Vec<u64>>,
+    /// The fused gradients; `None` while in flight, or after a failed step (made again, private, on
+    /// the next use).
+    buffer: Option<Storage>,
     /// Gradients still missing this step.
     pending: usize,
     /// The dense all-reduce in flight.
-    work: Option<Work<Vec<u64>>>,
+    work: Option<Work<Storage>>,
     /// The compressed all-reduce is on the helper thread.
     on_worker: bool,
     /// This bucket's compressor (compressed buckets; away while on the helper thread).
@@ -136,17 +167,19 @@ impl Bucket {
         self.bytes.div_ceil(8)
     }
 
-    fn buffer(&mut self) -> Result<&mut Vec<u64>, Error> {
+    /// The bucket's bytes (a private buffer is made if it has none).
+    fn buffer(&mut self) -> Result<&mut [u8], Error> {
         if self.buffer.is_none() {
-            self.buffer = Some(braid_core::alloc::filled(
+            self.buffer = Some(Storage::Own(braid_core::alloc::filled(
                 0u64,
                 self.words(),
                 "a gradient bucket",
-            )?);
+            )?));
         }
-        self.buffer
-            .as_mut()
-            .ok_or_else(|| Error::Internal("a bucket without its buffer".into()))
+        match self.buffer.as_mut() {
+            Some(b) => Ok(&mut b.bytes_mut()[..self.bytes]),
+            None => Err(Error::Internal("a bucket without its buffer".into())),
+        }
     }
 }
 
@@ -383,6 +416,29 @@ impl GradientBuckets {
                 compressor,
             });
         }
+        // Dense buckets in shared memory, allocated in bucket order (every rank lays out the same
+        // buckets at the same point). A refusal is the same on every rank: then private memory.
+        let comm = &self.comm;
+        if self.options.shared
+            && self.options.compression.is_none()
+            && comm.world_size() > 1
+            && comm.hosts().len() == 1
+        {
+            let shared: Result<Vec<SharedBuffer>, Error> = buckets
+                .iter()
+                .map(|b| comm.alloc(b.bytes.max(1).next_multiple_of(8)))
+                .collect();
+            match shared {
+                Ok(bufs) => {
+                    for (b, buf) in buckets.iter_mut().zip(bufs) {
+                        b.buffer = Some(Storage::Shared(buf));
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(rank = comm.rank(), "buckets in private memory: {e}");
+                }
+            }
+        }
         self.places = places;
         self.buckets = buckets;
         Ok(())
@@ -476,7 +532,7 @@ impl GradientBuckets {
                 place.bucket
             )));
         }
-        let buffer = bytemuck::cast_slice_mut::<u64, u8>(bucket.buffer()?);
+        let buffer = bucket.buffer()?;
         buffer[place.offset..place.offset + grad.len()].copy_from_slice(grad);
         bucket.pending -= 1;
         self.marked[param] = true;
@@ -504,6 +560,11 @@ impl GradientBuckets {
             return Err(Error::Internal("a bucket without its buffer".into()));
         };
         if let Some(compressor) = bucket.compressor.take() {
+            let Storage::Own(buffer) = buffer else {
+                return Err(Error::Internal(
+                    "a compressed bucket in shared memory".into(),
+                ));
+            };
             if self.worker.is_none() {
                 self.worker = Some(Worker::start(self.comm.handle(), self.options.op)?);
             }
@@ -535,7 +596,7 @@ impl GradientBuckets {
             }
             return Ok(());
         }
-        let work = self.comm.submit_words_on(
+        let work = self.comm.submit_buffer_on(
             self.stream,
             Kind::AllReduce,
             dtype,
@@ -562,9 +623,7 @@ impl GradientBuckets {
                     let bytes = self.params[p].0 * self.params[p].1.size();
                     let bucket = &mut self.buckets[place.bucket];
                     match bucket.buffer() {
-                        Ok(b) => bytemuck::cast_slice_mut::<u64, u8>(b)
-                            [place.offset..place.offset + bytes]
-                            .fill(0),
+                        Ok(b) => b[place.offset..place.offset + bytes].fill(0),
                         Err(e) => {
                             self.failed.get_or_insert(e);
                         }
@@ -632,7 +691,7 @@ impl GradientBuckets {
                     away -= 1;
                     let b = &mut self.buckets[job.bucket];
                     b.on_worker = false;
-                    b.buffer = Some(job.buffer);
+                    b.buffer = Some(Storage::Own(job.buffer));
                     b.compressor = Some(job.compressor);
                     match job.result {
                         Some(Ok(r)) => self.reports[job.bucket] = Some(r),
@@ -714,8 +773,8 @@ impl GradientBuckets {
             let Some(src) = buffers[from.bucket].as_ref() else {
                 continue;
             };
-            let src = &bytemuck::cast_slice::<u64, u8>(src)[from.offset..from.offset + bytes];
-            let dst = bytemuck::cast_slice_mut::<u64, u8>(self.buckets[to.bucket].buffer()?);
+            let src = &src.bytes()[from.offset..from.offset + bytes];
+            let dst = self.buckets[to.bucket].buffer()?;
             dst[to.offset..to.offset + bytes].copy_from_slice(src);
         }
         Ok(())
@@ -734,7 +793,7 @@ impl GradientBuckets {
         let place = self.check_param(param, dtype, len)?;
         let bytes = len * dtype.size();
         match &self.buckets[place.bucket].buffer {
-            Some(b) => Ok(&bytemuck::cast_slice::<u64, u8>(b)[place.offset..place.offset + bytes]),
+            Some(b) => Ok(&b.bytes()[place.offset..place.offset + bytes]),
             None => Err(Error::invalid(format!(
                 "buckets: parameter {param}'s bucket holds no result (its last step failed)"
             ))),

@@ -268,6 +268,8 @@ pub(crate) struct Streams {
     queued: Condvar,
     sticky: Mutex<Option<Error>>,
     maps: Arc<dyn AbortHandle>,
+    /// More of this rank's flags to mark failed with the links (the shared-memory board).
+    more_maps: Mutex<Vec<Arc<dyn AbortHandle>>>,
     shutdown: AtomicBool,
     progress: Mutex<Option<JoinHandle<()>>>,
     limit: Duration,
@@ -332,6 +334,7 @@ impl Streams {
             queued: Condvar::new(),
             sticky: Mutex::new(None),
             maps,
+            more_maps: Mutex::new(Vec::new()),
             shutdown: AtomicBool::new(false),
             progress: Mutex::new(None),
             limit,
@@ -366,7 +369,7 @@ impl Streams {
             error!("{e}");
             self.sticky.lock().get_or_insert(e.clone());
             self.poisoned.store(true, Ordering::Release);
-            self.maps.fail_and_wake();
+            self.fail_and_wake();
         }
     }
 
@@ -384,7 +387,7 @@ impl Streams {
         error!("{first}");
         self.sticky.lock().get_or_insert(first);
         self.poisoned.store(true, Ordering::Release);
-        self.maps.fail_and_wake();
+        self.fail_and_wake();
     }
 
     /// Takes this thread's turn at issuing work. A second thread arriving while another is inside a
@@ -422,11 +425,28 @@ impl Streams {
     }
 
     /// Poisons the communicator with `e` (unless it already is) and wakes everyone.
+    /// Marks this rank failed on every link and board, and wakes their waits.
+    fn fail_and_wake(&self) {
+        self.maps.fail_and_wake();
+        for m in self.more_maps.lock().iter() {
+            m.fail_and_wake();
+        }
+    }
+
+    /// Adds a flag that failing this rank marks too (a shared-memory board); marked at once if the
+    /// communicator is already unusable.
+    pub(crate) fn also_fail(&self, m: Arc<dyn AbortHandle>) {
+        if self.poisoned.load(Ordering::Acquire) {
+            m.fail_and_wake();
+        }
+        self.more_maps.lock().push(m);
+    }
+
     pub(crate) fn abort(&self, e: Error) {
         self.abort_flag.store(true, Ordering::SeqCst);
         self.sticky.lock().get_or_insert(e);
         self.poisoned.store(true, Ordering::Release);
-        self.maps.fail_and_wake();
+        self.fail_and_wake();
         let _guard = self.sleep.lock();
         self.queued.notify_all();
     }

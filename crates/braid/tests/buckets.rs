@@ -81,14 +81,24 @@ fn params() -> Vec<(usize, DType)> {
 
 #[test]
 fn buckets_reduce_every_dtype_exactly_in_any_arrival_order_and_rebuild_in_rank_0s_order() {
+    every_dtype_in_any_order(true);
+}
+
+#[test]
+fn buckets_in_private_memory_reduce_the_same() {
+    every_dtype_in_any_order(false);
+}
+
+fn every_dtype_in_any_order(shared: bool) {
     const N: usize = 3;
     const STEPS: u64 = 4;
-    let out = with_ranks(N, |c| {
+    let out = with_ranks(N, move |c| {
         let params = params();
         let options = BucketOptions {
             bucket_bytes: Some(4096),
             first_bucket_bytes: 1024,
             op: ReduceOp::Sum,
+            shared,
             ..BucketOptions::default()
         };
         let mut b = GradientBuckets::new(&c, &params, options).unwrap();
@@ -543,17 +553,32 @@ fn the_timeline_shows_bucket_all_reduces_on_their_stream_and_the_callers_spans()
                 .filter(|e| e["name"] == name && e["tid"].as_u64() == Some(tid))
                 .count()
         };
-        // Four buckets of one parameter each, two steps: eight all-reduces on the buckets' stream; the
-        // rebuild's broadcast of rank 0's order on stream 0; two backward spans.
-        assert_eq!(on("all_reduce", stream as u64), 8, "rank {r}: {text}");
+        let buckets_on = |tid: u64| {
+            complete
+                .iter()
+                .filter(|e| {
+                    e["name"] == "all_reduce"
+                        && e["tid"].as_u64() == Some(tid)
+                        && e["args"]["bytes"].as_u64() == Some(16384)
+                })
+                .count()
+        };
+        // Four buckets of one parameter each, two steps: eight all-reduces of a bucket on the buckets'
+        // stream (beside the small ones that allocate the buckets' shared memory); the rebuild's
+        // broadcast of rank 0's order on stream 0; two backward spans.
+        assert_eq!(buckets_on(stream as u64), 8, "rank {r}: {text}");
         assert_eq!(on("broadcast", 0), 1, "rank {r}");
         assert_eq!(on("backward", 1000), 2, "rank {r}");
         for e in &complete {
             assert!(e["dur"].as_f64().unwrap() >= 0.0 && e["pid"].as_u64() == Some(r as u64));
         }
-        let reduce = complete.iter().find(|e| e["name"] == "all_reduce").unwrap();
-        assert_eq!(reduce["args"]["bytes"].as_u64(), Some(16384));
+        let reduce = complete
+            .iter()
+            .find(|e| e["name"] == "all_reduce" && e["args"]["bytes"].as_u64() == Some(16384))
+            .unwrap();
         assert_eq!(reduce["args"]["result"], "ok");
+        // The buckets live in shared memory: their all-reduces run straight through it.
+        assert_eq!(reduce["args"]["algo"], "shared", "rank {r}");
     }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -333,6 +333,13 @@ impl Board {
         }
     }
 
+    /// Wakes every peer asleep on this board's counters.
+    pub fn wake_all(&self) {
+        for s in 0..self.streams {
+            futex_wake(self.counter(s));
+        }
+    }
+
     /// Whether the owner marked itself failed.
     pub fn failed(&self) -> bool {
         self.word(B_FAILED).load(Ordering::Acquire) != 0
@@ -513,5 +520,14 @@ mod tests {
             .wait(1, 3, 1, 0, &policy, &ctx, now + Duration::from_secs(5))
             .unwrap_err();
         assert!(e.to_string().contains("failed"), "{e}");
+    }
+}
+
+impl crate::AbortHandle for Board {
+    fn fail_and_wake(&self) {
+        self.fail();
+    }
+    fn wake_all(&self) {
+        Board::wake_all(self);
     }
 }

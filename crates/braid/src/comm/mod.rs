@@ -247,28 +247,32 @@ impl Communicator {
         }
     }
 
-    /// Queues an in-place `kind` of `bytes` bytes of `dtype` elements at the start of an owned, 8-byte
-    /// aligned buffer on `stream`; [`Work::wait`] gives the buffer back.
-    pub(crate) fn submit_words_on(
+    /// Queues an in-place `kind` of `bytes` bytes of `dtype` elements at the start of an owned buffer
+    /// (aligned for `dtype`) on `stream`; [`Work::wait`] gives the buffer back.
+    pub(crate) fn submit_buffer_on<B: OwnedBytes>(
         &self,
         stream: usize,
         kind: Kind,
         dtype: braid_core::DType,
         redop: ReduceOp,
-        words: Vec<u64>,
+        buffer: B,
         bytes: usize,
-    ) -> Result<Work<Vec<u64>>, Error> {
-        if bytes > words.len() * 8 || bytes % dtype.size() != 0 {
+    ) -> Result<Work<B>, Error> {
+        let mut boxed = Box::new(buffer);
+        let all = boxed.bytes_mut();
+        if bytes > all.len()
+            || bytes % dtype.size() != 0
+            || all.as_ptr() as usize % dtype.size() != 0
+        {
             return Err(Error::Internal(format!(
-                "{bytes} bytes of {dtype} in a buffer of {} words",
-                words.len()
+                "{bytes} bytes of {dtype} in a buffer of {} bytes",
+                all.len()
             )));
         }
-        let mut boxed = Box::new(words);
-        let ptr = boxed.as_mut_ptr() as *mut u8;
-        // SAFETY: the first `bytes` bytes of the vector's heap buffer (checked above) are owned by the
-        // task until it completes (moving the box does not move the heap buffer) and nobody else
-        // touches them meanwhile.
+        let ptr = all.as_mut_ptr();
+        // SAFETY: the first `bytes` bytes of the buffer (checked above) are owned by the task until it
+        // completes; they do not move with the box (`OwnedBytes`), and nobody else touches them
+        // meanwhile.
         let op = unsafe {
             Op::new(
                 kind,
@@ -289,6 +293,19 @@ impl Communicator {
         let task = Task::new(Op::barrier(), None);
         task.fail_now(e);
         Work::new(task, self.inner.rank, Duration::ZERO, None)
+    }
+}
+
+/// A buffer a work item owns while it runs: its bytes live outside the value (on the heap, in a
+/// mapping), so moving the value does not move them.
+pub(crate) trait OwnedBytes: Send + 'static {
+    /// The bytes.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl OwnedBytes for Vec<u64> {
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        bytemuck::cast_slice_mut(self)
     }
 }
 

@@ -116,7 +116,8 @@ struct Allocation {
 /// The shared memory of one communicator: every rank's board and every allocation.
 pub(crate) struct Shared {
     rank: usize,
-    boards: Vec<Board>,
+    /// Every rank's board; this rank's is also marked failed when the communicator fails.
+    boards: Vec<Arc<Board>>,
     allocations: Vec<Allocation>,
     policy: WaitPolicy,
     /// Per stream, the counter's value after the last collective on shared buffers, and how many
@@ -428,6 +429,8 @@ impl Communicator {
                     None => return Err(Error::Internal("alloc: a peer's board is missing".into())),
                 }
             }
+            let all: Vec<Arc<Board>> = all.into_iter().map(Arc::new).collect();
+            inner.streams.also_fail(all[rank].clone());
             let local = inner.hosts.first().map_or(world, Vec::len);
             exec.shared = Some(Shared {
                 rank,
