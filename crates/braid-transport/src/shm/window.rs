@@ -413,6 +413,15 @@ impl Board {
     }
 }
 
+impl crate::AbortHandle for Board {
+    fn fail_and_wake(&self) {
+        self.fail();
+    }
+    fn wake_all(&self) {
+        Board::wake_all(self);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -520,14 +529,5 @@ mod tests {
             .wait(1, 3, 1, 0, &policy, &ctx, now + Duration::from_secs(5))
             .unwrap_err();
         assert!(e.to_string().contains("failed"), "{e}");
-    }
-}
-
-impl crate::AbortHandle for Board {
-    fn fail_and_wake(&self) {
-        self.fail();
-    }
-    fn wake_all(&self) {
-        Board::wake_all(self);
     }
 }
