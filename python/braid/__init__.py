@@ -300,6 +300,7 @@ for _name, _args in {
     _f.restype = _i
 _BUCKETS_NO_REBUILD = 1
 _BUCKETS_UNUSED_AS_ZERO = 2
+_BUCKETS_PRIVATE_MEMORY = 4
 _lib.braid_get_error_string.argtypes = [_i]
 _lib.braid_get_error_string.restype = ctypes.c_char_p
 _lib.braid_get_last_error_message.argtypes = []
@@ -788,15 +789,20 @@ class Buckets(_Closes):
     every parameter's error feedback. Those all-reduces run on a helper thread which owns the communicator
     from a step's first :meth:`mark_ready` until :meth:`finish` returns (no other calls on it meanwhile).
 
-    A parameter not marked by :meth:`finish` fails the step on every rank, unless ``unused_as_zero``."""
+    A parameter not marked by :meth:`finish` fails the step on every rank, unless ``unused_as_zero``.
+
+    With every rank on one host and no compression, the buckets live in memory every rank maps (see
+    :meth:`Communicator.alloc`) and their all-reduces run straight through it; ``shared=False`` keeps them in
+    private memory."""
 
     def __init__(self, comm, params, op="avg", bucket_bytes=None, compression=None, rebuild=True,
-                 unused_as_zero=False):
+                 unused_as_zero=False, shared=True):
         params = [(int(n), d if isinstance(d, int) else _dtype_code(d)) for n, d in params]
         self._n = len(params)
         counts = (_sz * self._n)(*[n for n, _ in params])
         codes = (_i * self._n)(*[d for _, d in params])
         flags = (0 if rebuild else _BUCKETS_NO_REBUILD) | (_BUCKETS_UNUSED_AS_ZERO if unused_as_zero else 0)
+        flags |= 0 if shared else _BUCKETS_PRIVATE_MEMORY
         spec = None if compression is None else str(compression).encode()
         h = ctypes.c_void_p()
         _check(_lib.braid_buckets_create(ctypes.byref(h), comm.handle, self._n, counts, codes, _op_code(op),

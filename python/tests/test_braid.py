@@ -293,8 +293,13 @@ class Collectives(unittest.TestCase):
         self.comm.barrier()
 
     def test_buckets(self):
+        for shared in (True, False):  # in memory every rank maps (the default) and in private memory
+            with self.subTest(shared=shared):
+                self._buckets(shared)
+
+    def _buckets(self, shared):
         params = [(1000, np.float32), (17, np.int32), (0, np.float32), (5, np.float64), (3000, np.float32)]
-        b = braid.Buckets(self.comm, params, op="sum", bucket_bytes=4096)
+        b = braid.Buckets(self.comm, params, op="sum", bucket_bytes=4096, shared=shared)
         self.assertEqual(b.layout(), [[4], [3], [2], [1], [0]])
         rs = self.world * (self.world - 1) // 2
         for step in range(3):

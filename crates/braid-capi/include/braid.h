@@ -56,6 +56,12 @@
 #define BRAID_BUCKETS_UNUSED_AS_ZERO 2
 
 /**
+ * `braid_buckets_create` flag: keep dense buckets in private memory (by default, when every rank is on
+ * one host and there is no compression, they live in memory every rank maps, see `braid_mem_alloc`).
+ */
+#define BRAID_BUCKETS_PRIVATE_MEMORY 4
+
+/**
  * The result of every braid call. `BRAID_SUCCESS` is 0; the other codes are stable.
  */
 typedef enum braid_result {
@@ -568,7 +574,8 @@ enum braid_result braid_get_version(int *version);
  * `compression` (NULL: none) compresses every bucket with its own compressor, the text in the grammar of
  * `BRAID_COMPRESS` (float parameters only; `op` `BRAID_SUM` or `BRAID_AVG`); those all-reduces run on a
  * helper thread, which owns the communicator from a step's first `braid_buckets_mark_ready` until its
- * `braid_buckets_finish` returns. `flags`: `BRAID_BUCKETS_NO_REBUILD`, `BRAID_BUCKETS_UNUSED_AS_ZERO`.
+ * `braid_buckets_finish` returns. `flags`: `BRAID_BUCKETS_NO_REBUILD`, `BRAID_BUCKETS_UNUSED_AS_ZERO`,
+ * `BRAID_BUCKETS_PRIVATE_MEMORY`.
  * The buckets keep the communicator alive until they are destroyed.
  *
  * # Safety

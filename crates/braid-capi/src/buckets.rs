@@ -24,6 +24,9 @@ pub const BRAID_BUCKETS_NO_REBUILD: u32 = 1;
 /// `braid_buckets_create` flag: a parameter not marked ready by `braid_buckets_finish` counts as a zero
 /// gradient (instead of failing the step on every rank).
 pub const BRAID_BUCKETS_UNUSED_AS_ZERO: u32 = 2;
+/// `braid_buckets_create` flag: keep dense buckets in private memory (by default, when every rank is on
+/// one host and there is no compression, they live in memory every rank maps, see `braid_mem_alloc`).
+pub const BRAID_BUCKETS_PRIVATE_MEMORY: u32 = 4;
 
 /// The buckets and, per parameter, where `braid_buckets_finish` writes its result this step.
 struct Buckets {
@@ -44,7 +47,8 @@ fn buckets_of(b: *mut braid_buckets) -> Result<std::sync::Arc<Mutex<Buckets>>, E
 /// `compression` (NULL: none) compresses every bucket with its own compressor, the text in the grammar of
 /// `BRAID_COMPRESS` (float parameters only; `op` `BRAID_SUM` or `BRAID_AVG`); those all-reduces run on a
 /// helper thread, which owns the communicator from a step's first `braid_buckets_mark_ready` until its
-/// `braid_buckets_finish` returns. `flags`: `BRAID_BUCKETS_NO_REBUILD`, `BRAID_BUCKETS_UNUSED_AS_ZERO`.
+/// `braid_buckets_finish` returns. `flags`: `BRAID_BUCKETS_NO_REBUILD`, `BRAID_BUCKETS_UNUSED_AS_ZERO`,
+/// `BRAID_BUCKETS_PRIVATE_MEMORY`.
 /// The buckets keep the communicator alive until they are destroyed.
 ///
 /// # Safety
@@ -67,7 +71,9 @@ pub unsafe extern "C" fn braid_buckets_create(
         need_out(out, "out")?;
         let c = checked_comm(comm, std::ptr::null_mut())?;
         let op = redop_of(op)?;
-        if flags & !(BRAID_BUCKETS_NO_REBUILD | BRAID_BUCKETS_UNUSED_AS_ZERO) != 0 {
+        let known =
+            BRAID_BUCKETS_NO_REBUILD | BRAID_BUCKETS_UNUSED_AS_ZERO | BRAID_BUCKETS_PRIVATE_MEMORY;
+        if flags & !known != 0 {
             return Err(invalid(format!("flags {flags:#x} holds unknown bits")));
         }
         let words = |each: usize, arg: &str| {
@@ -117,6 +123,7 @@ pub unsafe extern "C" fn braid_buckets_create(
             compression,
             rebuild: flags & BRAID_BUCKETS_NO_REBUILD == 0,
             unused_as_zero: flags & BRAID_BUCKETS_UNUSED_AS_ZERO != 0,
+            shared: flags & BRAID_BUCKETS_PRIVATE_MEMORY == 0,
             ..BucketOptions::default()
         };
         let buckets = GradientBuckets::new(&c, &params, options)?;
