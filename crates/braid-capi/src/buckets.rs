@@ -6,9 +6,10 @@ use std::sync::Mutex;
 
 use braid_rt::{BucketOptions, Error, GradientBuckets};
 
-use crate::collectives::{bytes_of, checked_comm, dtype_of, redop_of, Region};
+use crate::collectives::{bytes_of, checked_comm, dtype_of, redop_of};
 use crate::compress::config_of;
 use crate::guard::{guard, invalid};
+use crate::region::Region;
 use crate::{braid_comm, braid_dtype, braid_redop, braid_result, need_out, registry, write_out};
 
 /// Gradient buckets of one model (opaque).

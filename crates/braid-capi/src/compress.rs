@@ -6,8 +6,9 @@ use std::sync::Mutex;
 
 use braid_rt::{CompressedPath, CompressionConfig, GradientCompressor, Output};
 
-use crate::collectives::{bytes_of, checked_comm, redop_of, Region};
+use crate::collectives::{bytes_of, checked_comm, redop_of};
 use crate::guard::{guard, invalid};
+use crate::region::Region;
 use crate::{braid_comm, braid_redop, braid_result, need_out, registry, write_out};
 use braid_rt::Error;
 

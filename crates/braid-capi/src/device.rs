@@ -26,8 +26,8 @@ use braid_rt::{DeviceCommunicator, DeviceGate, DeviceOp, DeviceSignal, Error};
 use braid_transport::Span;
 use parking_lot::Mutex;
 
-use crate::collectives::Region;
 use crate::guard::{guard, invalid};
+use crate::region::Region;
 use crate::{braid_comm, braid_result, comm_of};
 
 /// A communicator's device.

@@ -26,6 +26,7 @@ mod compress;
 mod device;
 mod guard;
 mod mem;
+mod region;
 mod registry;
 mod timeline;
 mod work;

@@ -10,8 +10,9 @@ use std::sync::Mutex;
 
 use braid_rt::{Error, Work};
 
-use crate::collectives::{apart, bytes_of, checked_comm, dtype_of, redop_of, root_of, Region};
+use crate::collectives::{bytes_of, checked_comm, dtype_of, redop_of, root_of};
 use crate::guard::{guard, invalid};
+use crate::region::{apart, Region};
 use crate::{braid_comm, braid_dtype, braid_redop, braid_result, need_out, registry, write_out};
 
 /// A collective in flight (opaque).

@@ -41,7 +41,7 @@ pub mod wire;
 pub use codec::cast::Cast;
 pub use codec::power_sgd::{self, PowerSgd};
 pub use codec::quant::{Int8, Rounding, Sign, DEFAULT_BLOCK};
-pub use codec::random_k::{random_k_indices, RandomK};
+pub use codec::random_k::RandomK;
 pub use codec::top_k::{top_k, ThresholdTopK, TopK, DEFAULT_DENSITY};
 pub use codec::{k_for_density, Codec, Transport};
 pub use error::{Error, Result};
@@ -50,6 +50,7 @@ pub use feedback::{
     LAGGING_MIN_DENSITY, STALENESS_BUCKETS,
 };
 pub use layout::Layout;
+pub use select::random_k_indices;
 pub use spec::{build_codec, echo_input, BoxedCodec, CodecSpec};
 pub use warmup::DensityWarmup;
 pub use wire::{Compressed, Payload, Piece};

@@ -1,4 +1,56 @@
-//! Exact selection of the `k` largest keys, the primitive under top-k and random-k.
+//! Exact selection of the `k` largest keys, the primitive under top-k and random-k, and random-k's
+//! indices (which the codec and the wire decoder both need).
+
+use std::cmp::Reverse;
+
+use crate::rng::{Stream, TAG_RANDOM_K};
+
+/// Panics when a tensor of `len` elements cannot be indexed with `u32`, the sparse formats' index type.
+pub(crate) fn assert_indexable(codec: &str, len: usize) {
+    assert!(
+        len <= u32::MAX as usize,
+        "{codec}: a tensor of {len} elements cannot be indexed with u32; split it into buckets of at most {} elements",
+        u32::MAX
+    );
+}
+
+/// The `k` indices random-k keeps for a tensor of `len` elements at `step`, ascending.
+///
+/// They are the `k` indices `i` with the smallest `Stream::new(seed, TAG_RANDOM_K, step).u64_at(i)`, ties
+/// going to the lower index: a uniformly random `k`-subset that depends only on `(seed, step, len, k)`, and
+/// that a GPU computes with the same selection it uses for top-k. `k` is clamped to `len`.
+///
+/// # Panics
+///
+/// If `len` exceeds `u32::MAX`.
+pub fn random_k_indices(seed: u64, step: u64, len: usize, k: usize) -> Vec<u32> {
+    assert_indexable("random-k", len);
+    let k = k.min(len);
+    if k == 0 || k == len {
+        return (0..k as u32).collect();
+    }
+    let stream = Stream::new(seed, TAG_RANDOM_K, step);
+    let key = |i: usize| stream.u64_at(i as u64);
+    // The keys are uniform, so the k smallest are almost surely below a bound a few standard deviations
+    // above k/len of the range: select among those candidates, and fall back to the full selection in the
+    // rare case there are fewer than k of them. Both paths return the same set.
+    let expect = k as f64 + 6.0 * (k as f64).sqrt() + 16.0;
+    if expect < 0.5 * len as f64 {
+        let bound = (expect / len as f64 * 18_446_744_073_709_551_616.0) as u64;
+        let cand: Vec<(u64, u32)> = (0..len)
+            .map(|i| (key(i), i as u32))
+            .filter(|c| c.0 < bound)
+            .collect();
+        if cand.len() >= k {
+            // Candidates are in index order, so the positions come out ascending, as the indices must.
+            return top_k_by(cand.len(), k, |j| Reverse(cand[j].0))
+                .into_iter()
+                .map(|j| cand[j as usize].1)
+                .collect();
+        }
+    }
+    top_k_by(len, k, |i| Reverse(key(i)))
+}
 
 /// Ascending indices of the `k` largest of `key(0), …, key(len − 1)`, ties going to the lower index.
 ///

@@ -32,7 +32,7 @@
 
 use half::{bf16, f16};
 
-use crate::codec::random_k::random_k_indices;
+use crate::select::random_k_indices;
 use crate::{Error, Result};
 
 /// The first two bytes of every encoding.

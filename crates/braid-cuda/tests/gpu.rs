@@ -650,7 +650,7 @@ fn ipc_memory(gpu: &Gpu, mode: IpcMode) -> Option<Arc<dyn braid_transport::Devic
 /// and read back from the receiver's.
 #[test]
 fn the_ipc_transport_moves_messages_through_device_rings() {
-    use braid_transport::setup::{Prepared, Transport};
+    use braid_transport::plugin::{Prepared, Transport};
     use braid_transport::shm::ipc::Ipc;
     use braid_transport::Link;
     let Some(gpu) = gpu() else { return };
@@ -703,7 +703,7 @@ const IPC_CHILD: &str = "BRAID_TEST_IPC_CHILD";
 /// ring, and the child checks what it received.
 #[test]
 fn the_ipc_transport_moves_messages_between_processes() {
-    use braid_transport::setup::Transport;
+    use braid_transport::plugin::Transport;
     use braid_transport::shm::ipc::Ipc;
     use std::io::{BufReader, Write};
     use std::process::{Command, Stdio};
@@ -757,7 +757,7 @@ fn the_ipc_transport_moves_messages_between_processes() {
 /// elsewhere it does nothing.
 #[test]
 fn ipc_rank_1_of_a_child_process() {
-    use braid_transport::setup::Transport;
+    use braid_transport::plugin::Transport;
     use braid_transport::shm::ipc::Ipc;
     let Ok(setting) = std::env::var(IPC_CHILD) else {
         return;

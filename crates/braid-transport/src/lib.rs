@@ -6,7 +6,7 @@
 //! [`Link`] is its one interface, with several independent channels per pair of ranks so that several
 //! operations can be in flight at once.
 //!
-//! Each transport is one module implementing [`Link`] and the setup stages of [`setup`]:
+//! Each transport is one module implementing [`Link`] and the setup stages of [`plugin`] (which [`setup`] composes):
 //!
 //! - [`shm`]: shared memory between processes of one host (futex words in a segment per rank); with a
 //!   [`DeviceMemory`], the same protocol with the slots' payload in device memory shared between the
@@ -40,6 +40,7 @@ pub mod greet;
 mod link;
 pub mod mem;
 pub mod memory;
+pub mod plugin;
 pub mod rdma;
 mod registry;
 mod router;
@@ -51,7 +52,8 @@ mod wait;
 pub use device::{DeviceAllocation, DeviceMemory, EmulatedDevice};
 pub use link::{recv_with, send_bytes, AbortHandle, Event, Link, LinkId, RecvSlot, SendSlot};
 pub use memory::{MemKind, Span};
+pub use plugin::{Endpoint, Geometry, Peer, SetupCtx};
 pub use registry::{check_world, transport_names, transports, TransportChoice};
 pub use router::Router;
-pub use setup::{Connecting, Endpoint, Geometry, Peer, Setup, SetupCtx};
+pub use setup::{Connecting, Setup};
 pub use wait::{peer_alive, peer_stopped, PeerProcess, Stamp, WaitCtx, WaitPolicy};

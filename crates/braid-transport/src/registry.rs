@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 
 use braid_core::{Config, Error};
 
-use crate::setup::{Geometry, Transport};
+use crate::plugin::{Geometry, Transport};
 
 /// Every transport braid knows, in the order `auto` prefers them: shared memory inside a host, RDMA
 /// between hosts where a usable device exists, TCP otherwise.

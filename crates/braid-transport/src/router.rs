@@ -8,7 +8,7 @@ use braid_core::Error;
 
 use crate::link::{misuse, AbortHandle, Event, Link, RecvSlot, SendSlot};
 use crate::memory::Span;
-use crate::setup::Geometry;
+use crate::plugin::Geometry;
 use crate::WaitCtx;
 
 /// The links of one rank and which peer uses which. It is itself a [`Link`] that forwards each call to

@@ -36,7 +36,7 @@ use braid_core::{DType, Element, Error, ReduceOp};
 
 use crate::comm::OwnedBytes;
 use crate::compressed::Carried;
-use crate::exec::Kind;
+use crate::op::Kind;
 use crate::{
     Communicator, CompressedReport, CompressionConfig, GradientCompressor, Priority, SharedBuffer,
     Work,

@@ -25,6 +25,7 @@ mod device;
 mod exec;
 mod id;
 mod job;
+mod op;
 mod probe;
 pub mod recorder;
 mod scope;

@@ -11,7 +11,7 @@ use braid_core::{DType, Error};
 use braid_transport::Stamp;
 use parking_lot::Mutex;
 
-use crate::exec::Op;
+use crate::op::Op;
 use crate::tune::{Algo, Collective};
 
 /// The algorithm byte of a run straight through shared buffers (no algorithm of the table).
@@ -383,7 +383,7 @@ mod tests {
             // SAFETY: no memory at all (null with zero lengths).
             let op = unsafe {
                 Op::new(
-                    crate::exec::Kind::AllReduce,
+                    crate::op::Kind::AllReduce,
                     DType::F32,
                     braid_core::ReduceOp::Sum,
                     seq as usize,

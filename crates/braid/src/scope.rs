@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 use tracing::error;
 
 use crate::comm::Communicator;
-use crate::exec::{Blocks, Kind, Op};
+use crate::op::{Blocks, Kind, Op};
 use crate::streams::{Priority, StreamEvent, Task, Work};
 
 impl Communicator {

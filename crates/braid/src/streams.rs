@@ -27,7 +27,8 @@ use crossbeam_queue::SegQueue;
 use parking_lot::{Condvar, Mutex};
 use tracing::error;
 
-use crate::exec::{Executor, Op, Running};
+use crate::exec::{Executor, Running};
+use crate::op::Op;
 
 /// How urgently a stream's work is advanced.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]

@@ -85,11 +85,3 @@ pub(crate) fn check_block(what: &str, block: usize) -> Result<u32> {
         ))),
     }
 }
-
-pub(crate) fn assert_indexable(codec: &str, len: usize) {
-    assert!(
-        len <= u32::MAX as usize,
-        "{codec}: a tensor of {len} elements cannot be indexed with u32; split it into buckets of at most {} elements",
-        u32::MAX
-    );
-}

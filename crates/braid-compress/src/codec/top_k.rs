@@ -1,7 +1,8 @@
 //! Top-k: exact, and by a sampled threshold as in Deep Gradient Compression.
 
-use super::{assert_indexable, check_density, k_for_density, Codec, Transport};
+use super::{check_density, k_for_density, Codec, Transport};
 use crate::rng::{Stream, TAG_SAMPLE};
+use crate::select::assert_indexable;
 use crate::select::{abs_key, top_k_u32};
 use crate::wire::Payload;
 use crate::{Compressed, Error, Result};

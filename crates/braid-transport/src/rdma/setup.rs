@@ -15,7 +15,7 @@ use super::wire::{Connect, HcaFilter, RdmaEndpoint};
 use super::RdmaLink;
 use crate::greet::{Greeted, Greeter};
 use crate::link::Link;
-use crate::setup::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
+use crate::plugin::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
 use crate::tcp::same_secret;
 
 /// What the `BRAID_IB_*` variables say.

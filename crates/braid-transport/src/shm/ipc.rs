@@ -36,7 +36,7 @@ use crate::device::{
     recv_msg, send_msg, DeviceAllocation, DeviceMemory, Shareable, MAX_HANDLE_BYTES,
 };
 use crate::link::Link;
-use crate::setup::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
+use crate::plugin::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
 use crate::wait::WaitPolicy;
 
 /// The transport's name, as endpoints and routes say it.

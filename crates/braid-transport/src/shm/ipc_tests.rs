@@ -9,7 +9,7 @@ use super::*;
 use crate::device::{recv_msg, send_msg, DeviceMemory, EmulatedDevice, Shareable};
 use crate::link::{Link, RecvSlot};
 use crate::memory::MemKind;
-use crate::setup::{Endpoint, Geometry, Peer, SetupCtx, Transport};
+use crate::plugin::{Endpoint, Geometry, Peer, SetupCtx, Transport};
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
@@ -60,7 +60,7 @@ fn world(modes: &[Mode], slots: usize, slot_bytes: usize) -> Vec<Box<dyn Link>> 
         .map(|r| {
             let ctx = setup_ctx(r, n, slots, slot_bytes, nonce);
             let t = Box::new(Ipc::new("/dev/shm", Arc::new(device(modes[r]))));
-            assert_eq!((t.name(), t.scope()), (NAME, crate::setup::Scope::Host));
+            assert_eq!((t.name(), t.scope()), (NAME, crate::plugin::Scope::Host));
             (ctx, t.prepare(&ctx).unwrap())
         })
         .collect();

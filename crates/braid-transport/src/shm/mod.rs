@@ -32,7 +32,7 @@ use memmap2::MmapRaw;
 use crate::device::DeviceAllocation;
 use crate::link::{check_token, misuse, AbortHandle, Event, Link, LinkId, RecvSlot, SendSlot};
 use crate::memory::Span;
-use crate::setup::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
+use crate::plugin::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
 use crate::wait::{
     futex_wake, peer_alive, peer_stopped, wait_until, PeerProcess, WaitCtx, WaitPolicy,
 };

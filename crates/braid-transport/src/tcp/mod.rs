@@ -36,7 +36,7 @@ use tracing::{debug, warn};
 use crate::greet::{Greeted, Greeter};
 use crate::link::{check_token, misuse, AbortHandle, Event, Link, LinkId, RecvSlot, SendSlot};
 use crate::memory::Span;
-use crate::setup::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
+use crate::plugin::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
 use crate::wait::{futex_wait, futex_wake, wait_until};
 use crate::{WaitCtx, WaitPolicy};
 pub use frame::{Hello, PartHeader};

@@ -3,7 +3,7 @@
 use braid_core::{DType, Element, Error, ReduceOp};
 
 use super::Communicator;
-use crate::exec::{Kind, Op};
+use crate::op::{Kind, Op};
 
 /// Which side of a collective a caller's buffer is.
 enum In<'a> {

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use braid_core::{Config, Element, Error, ReduceOp};
 
-use crate::exec::{Kind, Op};
+use crate::op::{Kind, Op};
 use crate::streams::{Streams, Task, Work};
 use crate::tune::{Algo, Collective};
 

@@ -30,7 +30,7 @@ use braid_sched::sparse::{quota, Partition, HISTOGRAM_BUCKETS, PAIR_BYTES};
 
 use super::paths::internal;
 use super::{CompressedPath, GradientCompressor};
-use crate::exec::{Blocks, Kind, Op};
+use crate::op::{Blocks, Kind, Op};
 use crate::Communicator;
 
 /// What a rank keeps between sparse reduce-scatter steps.

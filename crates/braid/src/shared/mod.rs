@@ -21,7 +21,7 @@ use braid_core::{DType, Element, Error, ReduceOp};
 use braid_transport::shm::window::{Board, Window};
 use braid_transport::{Span, WaitPolicy};
 
-use crate::exec::{Kind, Op};
+use crate::op::{Kind, Op};
 use crate::Communicator;
 
 use run::Place;
