@@ -246,6 +246,19 @@ fn large_odd_sizes_on_up_to_seven_ranks_match_the_rank_order_reduction_bit_for_b
 }
 
 #[test]
+fn outputs_of_16_mib_and_more_are_written_with_streaming_stores_and_exact() {
+    // From 16 MiB of output per rank the cold destinations are written with non-temporal stores from
+    // a reduction kept in cache: odd sizes, one-byte elements (every alignment of the tails).
+    with_ranks(2, config(60_000), |c| {
+        check_all(&c, DType::F32, ReduceOp::Sum, (16 << 20) / 4 + 15);
+        check_all(&c, DType::I8, ReduceOp::Max, (16 << 20) + 3);
+    });
+    with_ranks(3, config(60_000), |c| {
+        check_all(&c, DType::F64, ReduceOp::Avg, (16 << 20) / 8 + 3);
+    });
+}
+
+#[test]
 fn shared_and_private_buffers_mix_on_one_communicator_and_streams_run_shared_work_async() {
     with_ranks(3, config(20_000), |c| {
         let n = 10_000;
