@@ -7,9 +7,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use braid::{Communicator, Config, DType, DeviceCommunicator, ReduceOp, UniqueId};
+use braid::{Communicator, Config, DType, DeviceCommunicator, ReduceOp};
 use braid_exec::{CpuEngine, EmulatedDeviceEngine};
 use braid_transport::{DeviceAllocation, DeviceMemory, EmulatedDevice, Span};
+
+mod common;
+use common::with_ranks_each;
 
 fn config() -> Config {
     Config {
@@ -18,22 +21,6 @@ fn config() -> Config {
         chunk_bytes: 4096,
         ..Config::default()
     }
-}
-
-fn with_ranks<R: Send + 'static>(
-    n: usize,
-    configs: impl Fn(usize) -> Config,
-    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
-) -> Vec<R> {
-    let id = UniqueId::new().unwrap();
-    let f = Arc::new(f);
-    let handles: Vec<_> = (0..n)
-        .map(|r| {
-            let (id, cfg, f) = (id.clone(), configs(r), f.clone());
-            std::thread::spawn(move || f(Communicator::init(n, r, &id, cfg).expect("init")))
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
 /// Emulated device memory of `bytes`, with its host view.
@@ -82,7 +69,7 @@ fn input(rank: usize, dtype: DType, bytes: usize, salt: usize) -> Vec<u8> {
 
 #[test]
 fn device_collectives_equal_the_host_collectives_bit_for_bit() {
-    let results = with_ranks(
+    let results = with_ranks_each(
         3,
         |_| config(),
         |c| {
@@ -185,7 +172,7 @@ fn device_collectives_equal_the_host_collectives_bit_for_bit() {
 
 #[test]
 fn bad_arguments_are_refused_and_change_nothing() {
-    with_ranks(
+    with_ranks_each(
         2,
         |_| config(),
         |c| {
@@ -264,7 +251,7 @@ fn bad_arguments_are_refused_and_change_nothing() {
 
 #[test]
 fn ranks_on_several_hosts_are_refused_on_every_rank() {
-    let errors = with_ranks(
+    let errors = with_ranks_each(
         2,
         |r| Config {
             host_id: Some(format!("host-{r}")),
@@ -288,7 +275,7 @@ fn ranks_on_several_hosts_are_refused_on_every_rank() {
 
 #[test]
 fn a_rank_that_cannot_open_its_device_fails_the_call_on_every_rank() {
-    let errors = with_ranks(
+    let errors = with_ranks_each(
         3,
         |_| config(),
         |c| {
@@ -345,7 +332,7 @@ impl braid::DeviceSignal for Record {
 
 #[test]
 fn queued_device_collectives_keep_issue_order_wait_for_their_gate_and_signal_when_done() {
-    with_ranks(
+    with_ranks_each(
         3,
         |_| config(),
         |c| {
@@ -422,7 +409,7 @@ fn a_failed_queued_collective_still_signals_and_every_later_one_fails_at_once() 
         timeout: Duration::from_millis(500),
         ..config()
     };
-    with_ranks(
+    with_ranks_each(
         2,
         move |_| cfg(),
         |c| {
@@ -485,7 +472,7 @@ fn a_failed_queued_collective_still_signals_and_every_later_one_fails_at_once() 
 
 #[test]
 fn device_reduce_to_every_root_and_a_queued_barrier() {
-    with_ranks(
+    with_ranks_each(
         3,
         |_| config(),
         |c| {

@@ -3,39 +3,14 @@
 //! the windows as processes do), the path actually taken (the flight record says "shared"), refusals
 //! that change nothing, and disagreements between ranks that end in errors, not hangs.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use braid::{Communicator, Config, DType, Error, ReduceOp, SharedBuffer, UniqueId};
+use braid::{Communicator, DType, Error, ReduceOp, SharedBuffer};
 use braid_core::exact;
 use braid_core::reduce::{reduce_ordered, Src};
 
-fn config(timeout_ms: u64) -> Config {
-    Config {
-        timeout: Duration::from_millis(timeout_ms),
-        ..Config::default()
-    }
-}
-
-/// Runs `f` on `n` ranks, each a thread with its own communicator.
-fn with_ranks<R: Send + 'static>(
-    n: usize,
-    cfg: Config,
-    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
-) -> Vec<R> {
-    let id = UniqueId::new().unwrap();
-    let f = Arc::new(f);
-    let handles: Vec<_> = (0..n)
-        .map(|r| {
-            let (id, cfg, f) = (id.clone(), cfg.clone(), f.clone());
-            std::thread::spawn(move || f(Communicator::init(n, r, &id, cfg).expect("init")))
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread"))
-        .collect()
-}
+mod common;
+use common::{config, with_ranks};
 
 /// The algorithm the flight record gives the last op.
 fn last_path(c: &Communicator) -> &'static str {

@@ -8,32 +8,8 @@ use std::time::{Duration, Instant};
 
 use braid::{Communicator, Config, DType, Error, ReduceOp, UniqueId};
 
-fn config(timeout_ms: u64) -> Config {
-    Config {
-        timeout: Duration::from_millis(timeout_ms),
-        ..Config::default()
-    }
-}
-
-/// Runs `f` on `n` ranks, each a thread with its own communicator.
-fn with_ranks<R: Send + 'static>(
-    n: usize,
-    cfg: Config,
-    f: impl Fn(Communicator) -> R + Send + Sync + 'static,
-) -> Vec<R> {
-    let id = UniqueId::new().unwrap();
-    let f = Arc::new(f);
-    let handles: Vec<_> = (0..n)
-        .map(|r| {
-            let (id, cfg, f) = (id.clone(), cfg.clone(), f.clone());
-            std::thread::spawn(move || f(Communicator::init(n, r, &id, cfg).expect("init")))
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread"))
-        .collect()
-}
+mod common;
+use common::{config, with_ranks};
 
 #[test]
 fn invalid_arguments_change_nothing_and_leave_the_communicator_usable() {

@@ -357,6 +357,21 @@ impl SharedRun {
         r
     }
 
+    /// The error for rank `peer` running the collective `theirs` describes instead of this one.
+    fn mismatch(&self, rank: usize, peer: usize, theirs: &[u64; DESCRIPTOR_WORDS]) -> Error {
+        Error::Mismatch {
+            rank,
+            peer,
+            collective: self.kind.name().into(),
+            seq: self.seq,
+            detail: format!(
+                "on shared buffers this rank runs {}, rank {peer} {}",
+                describe(&self.desc),
+                describe(theirs)
+            ),
+        }
+    }
+
     /// Checks every rank's descriptor against this one and resolves their buffers' addresses.
     fn check(&mut self, sh: &Shared) -> Result<(), Error> {
         let (world, es) = (sh.world(), self.dtype.size());
@@ -368,17 +383,7 @@ impl SharedRun {
                 sh.boards[p].descriptor(self.stream, self.parity)
             };
             if d[..3] != self.desc[..3] {
-                return Err(Error::Mismatch {
-                    rank: sh.rank,
-                    peer: p,
-                    collective: self.kind.name().into(),
-                    seq: self.seq,
-                    detail: format!(
-                        "on shared buffers this rank runs {}, rank {p} {}",
-                        describe(&self.desc),
-                        describe(&d)
-                    ),
-                });
+                return Err(self.mismatch(sh.rank, p, &d));
             }
             let (send_len, recv_len) = lens(self.kind, self.count, es, world, p);
             let send = Place {
@@ -500,17 +505,7 @@ impl SharedRun {
                 desc[0] = got[0];
                 desc[1] = got[1] & 0xffff;
                 desc[2] = got[1] >> 16;
-                return Err(Error::Mismatch {
-                    rank,
-                    peer: p,
-                    collective: self.kind.name().into(),
-                    seq: self.seq,
-                    detail: format!(
-                        "on shared buffers this rank runs {}, rank {p} {}",
-                        describe(&self.desc),
-                        describe(&desc)
-                    ),
-                });
+                return Err(self.mismatch(rank, p, &desc));
             }
         }
         let (es, c) = (self.dtype.size(), self.count);
