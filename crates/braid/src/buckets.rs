@@ -29,6 +29,7 @@
 //!   set, in which case it counts as a zero gradient (DDP's `find_unused_parameters`).
 
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -120,17 +121,28 @@ struct Place {
     offset: usize,
 }
 
-/// A bucket's fused gradients: private words (8-byte, so every dtype is aligned), or shared memory.
+/// A bucket's fused gradients: private words (8-byte, so every dtype is aligned), or its range of the
+/// dense buckets' one shared allocation (64-byte aligned; no two buckets' ranges overlap).
 enum Storage {
     Own(Vec<u64>),
-    Shared(SharedBuffer),
+    Shared {
+        arena: Arc<SharedBuffer>,
+        at: usize,
+        len: usize,
+    },
 }
 
 impl Storage {
     fn bytes(&self) -> &[u8] {
         match self {
             Storage::Own(v) => bytemuck::cast_slice(v),
-            Storage::Shared(b) => b.as_slice(),
+            // SAFETY: `at + len` lies within the arena (checked when the range was handed out), which
+            // stays mapped while this `Arc` lives; the range is this storage's alone (ranges of one
+            // layout are disjoint, and the buckets of an older layout are gone before a new layout
+            // hands its ranges out) and nothing makes slices of the whole arena.
+            Storage::Shared { arena, at, len } => unsafe {
+                std::slice::from_raw_parts(arena.as_ptr().add(*at), *len)
+            },
         }
     }
 }
@@ -139,7 +151,11 @@ impl OwnedBytes for Storage {
     fn bytes_mut(&mut self) -> &mut [u8] {
         match self {
             Storage::Own(v) => bytemuck::cast_slice_mut(v),
-            Storage::Shared(b) => b.as_mut_slice(),
+            // SAFETY: as in `bytes`; the mapping is writable, and `&mut self` makes this the only
+            // access to the range.
+            Storage::Shared { arena, at, len } => unsafe {
+                std::slice::from_raw_parts_mut(arena.as_ptr().add(*at) as *mut u8, *len)
+            },
         }
     }
 }
@@ -253,6 +269,9 @@ pub struct GradientBuckets {
     params: Vec<(usize, DType)>,
     places: Vec<Place>,
     buckets: Vec<Bucket>,
+    /// The dense buckets' shared memory, one allocation sized for any layout, so that a rebuild
+    /// reuses it.
+    arena: Option<Arc<SharedBuffer>>,
     /// Which parameters were marked this step, and in which order.
     marked: Vec<bool>,
     order: Vec<usize>,
@@ -348,6 +367,7 @@ impl GradientBuckets {
             cap,
             params: params.to_vec(),
             places: Vec::new(),
+            arena: None,
             buckets: Vec::new(),
             marked: vec![false; params.len()],
             order: Vec::with_capacity(params.len()),
@@ -424,15 +444,31 @@ impl GradientBuckets {
             && comm.world_size() > 1
             && comm.hosts().len() == 1
         {
-            let shared: Result<Vec<SharedBuffer>, Error> = buckets
-                .iter()
-                .map(|b| comm.alloc(b.bytes.max(1).next_multiple_of(8)))
-                .collect();
-            match shared {
-                Ok(bufs) => {
-                    for (b, buf) in buckets.iter_mut().zip(bufs) {
-                        b.buffer = Some(Storage::Shared(buf));
+            // One allocation for every bucket, with room for any layout's padding (each bucket
+            // starts on a cache line, and there are at most as many buckets as parameters), so the
+            // rebuild reuses it. Every rank lays out the same buckets, so every rank takes the
+            // same branch here.
+            let need: usize = buckets.iter().map(|b| b.bytes.next_multiple_of(64)).sum();
+            let arena = match &self.arena {
+                Some(a) if a.len() >= need => Ok(a.clone()),
+                _ => {
+                    let total = self.params.iter().map(|(n, d)| n * d.size()).sum::<usize>()
+                        + 64 * (self.params.len() + 1);
+                    comm.alloc(total.max(need).max(64)).map(Arc::new)
+                }
+            };
+            match arena {
+                Ok(arena) => {
+                    let mut at = 0;
+                    for b in &mut buckets {
+                        b.buffer = Some(Storage::Shared {
+                            arena: arena.clone(),
+                            at,
+                            len: b.bytes,
+                        });
+                        at += b.bytes.next_multiple_of(64);
                     }
+                    self.arena = Some(arena);
                 }
                 Err(e) => {
                     tracing::debug!(rank = comm.rank(), "buckets in private memory: {e}");
@@ -764,7 +800,21 @@ impl GradientBuckets {
                     .collect();
                 carried.push((c.carry_out(), at));
             }
-            buffers.push(b.buffer.take());
+            // A bucket in shared memory moves to a private copy first: the new layout reuses the
+            // same memory for other buckets.
+            buffers.push(match b.buffer.take() {
+                Some(shared @ Storage::Shared { .. }) => {
+                    let bytes = shared.bytes();
+                    let mut own = braid_core::alloc::filled(
+                        0u64,
+                        bytes.len().div_ceil(8),
+                        "a gradient bucket",
+                    )?;
+                    bytemuck::cast_slice_mut(&mut own)[..bytes.len()].copy_from_slice(bytes);
+                    Some(Storage::Own(own))
+                }
+                other => other,
+            });
         }
         self.lay_out(&order, carried)?;
         for (p, from) in old_places.into_iter().enumerate() {
