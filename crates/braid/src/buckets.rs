@@ -136,7 +136,7 @@ impl Storage {
     fn bytes(&self) -> &[u8] {
         match self {
             Storage::Own(v) => bytemuck::cast_slice(v),
-            // SAFETY: `at + len` lies within the arena (checked when the range was handed out), which
+            // SAFETY: `at + len` lies within the arena (checked when `lay_out` handed it out), which
             // stays mapped while this `Arc` lives; the range is this storage's alone (ranges of one
             // layout are disjoint, and the buckets of an older layout are gone before a new layout
             // hands its ranges out) and nothing makes slices of the whole arena.
@@ -448,25 +448,48 @@ impl GradientBuckets {
             // starts on a cache line, and there are at most as many buckets as parameters), so the
             // rebuild reuses it. Every rank lays out the same buckets, so every rank takes the
             // same branch here.
-            let need: usize = buckets.iter().map(|b| b.bytes.next_multiple_of(64)).sum();
-            let arena = match &self.arena {
-                Some(a) if a.len() >= need => Ok(a.clone()),
-                _ => {
-                    let total = self.params.iter().map(|(n, d)| n * d.size()).sum::<usize>()
-                        + 64 * (self.params.len() + 1);
-                    comm.alloc(total.max(need).max(64)).map(Arc::new)
-                }
+            let need = buckets.iter().try_fold(0usize, |sum, b| {
+                sum.checked_add(b.bytes.checked_next_multiple_of(64)?)
+            });
+            let total = self.params.iter().try_fold(64usize, |sum, &(n, d)| {
+                sum.checked_add(n.checked_mul(d.size())?)?.checked_add(64)
+            });
+            let arena = match (need, total) {
+                (Some(need), Some(total)) => match &self.arena {
+                    Some(a) if a.len() >= need => Ok(a.clone()),
+                    _ => comm.alloc(total.max(need)).map(Arc::new),
+                },
+                _ => Err(Error::OutOfMemory(
+                    "the gradient buckets need more bytes than an address holds".into(),
+                )),
             };
-            match arena {
-                Ok(arena) => {
-                    let mut at = 0;
-                    for b in &mut buckets {
+            // Each bucket's range, checked against the arena (the same on every rank).
+            let ranges = arena.and_then(|arena| {
+                let mut at = 0usize;
+                let mut ranges = Vec::with_capacity(buckets.len());
+                for b in &buckets {
+                    let end = at.checked_add(b.bytes).filter(|&e| e <= arena.len());
+                    let Some(end) = end else {
+                        return Err(Error::Internal(format!(
+                            "a gradient bucket of {} bytes at {at} does not fit its {} bytes of \
+                             shared memory",
+                            b.bytes,
+                            arena.len()
+                        )));
+                    };
+                    ranges.push(at);
+                    at = end.next_multiple_of(64);
+                }
+                Ok((arena, ranges))
+            });
+            match ranges {
+                Ok((arena, ranges)) => {
+                    for (b, at) in buckets.iter_mut().zip(ranges) {
                         b.buffer = Some(Storage::Shared {
                             arena: arena.clone(),
                             at,
                             len: b.bytes,
                         });
-                        at += b.bytes.next_multiple_of(64);
                     }
                     self.arena = Some(arena);
                 }
@@ -786,23 +809,12 @@ impl GradientBuckets {
         if plan(&self.params, &order, self.cap, first) == self.layout() {
             return Ok(());
         }
-        // The reduced gradients of this step move to the new layout too.
-        let old_places = self.places.clone();
-        let old = std::mem::take(&mut self.buckets);
-        let mut buffers = Vec::with_capacity(old.len());
-        let mut carried = Vec::new();
-        for mut b in old {
-            if let Some(c) = b.compressor.take() {
-                let at = b
-                    .params
-                    .iter()
-                    .map(|&p| (p, old_places[p].offset / 4))
-                    .collect();
-                carried.push((c.carry_out(), at));
-            }
-            // A bucket in shared memory moves to a private copy first: the new layout reuses the
-            // same memory for other buckets.
-            buffers.push(match b.buffer.take() {
+        // The reduced gradients of this step move to the new layout too. The buckets in shared memory
+        // are copied to private memory first, before anything changes (the copies are what may fail
+        // here, for want of memory): the new layout reuses that memory for other buckets.
+        let mut copies = Vec::with_capacity(self.buckets.len());
+        for b in &self.buckets {
+            copies.push(match &b.buffer {
                 Some(shared @ Storage::Shared { .. }) => {
                     let bytes = shared.bytes();
                     let mut own = braid_core::alloc::filled(
@@ -813,8 +825,23 @@ impl GradientBuckets {
                     bytemuck::cast_slice_mut(&mut own)[..bytes.len()].copy_from_slice(bytes);
                     Some(Storage::Own(own))
                 }
-                other => other,
+                _ => None,
             });
+        }
+        let old_places = self.places.clone();
+        let old = std::mem::take(&mut self.buckets);
+        let mut buffers = Vec::with_capacity(old.len());
+        let mut carried = Vec::new();
+        for (mut b, copy) in old.into_iter().zip(copies) {
+            if let Some(c) = b.compressor.take() {
+                let at = b
+                    .params
+                    .iter()
+                    .map(|&p| (p, old_places[p].offset / 4))
+                    .collect();
+                carried.push((c.carry_out(), at));
+            }
+            buffers.push(copy.or(b.buffer.take()));
         }
         self.lay_out(&order, carried)?;
         for (p, from) in old_places.into_iter().enumerate() {

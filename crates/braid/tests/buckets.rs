@@ -582,3 +582,22 @@ fn the_timeline_shows_bucket_all_reduces_on_their_stream_and_the_callers_spans()
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn parameters_too_large_to_address_together_are_an_error_not_a_wild_range() {
+    // Each fits a usize, their sum with padding does not: the shared buckets' arena must not wrap.
+    let out = with_ranks(2, |c| {
+        let params = vec![
+            (usize::MAX / 2, DType::U8),
+            (usize::MAX / 2, DType::U8),
+            (3, DType::F32),
+        ];
+        match GradientBuckets::new(&c, &params, BucketOptions::default()) {
+            Err(e) => e.to_string(),
+            Ok(b) => b.gradient_bytes(0, DType::U8).unwrap_err().to_string(),
+        }
+    });
+    for e in out {
+        assert!(!e.is_empty());
+    }
+}

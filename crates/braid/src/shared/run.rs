@@ -464,15 +464,14 @@ impl SharedRun {
     /// Marks the jobs of a large collective whose destinations none of their sources is (so this rank
     /// has not just read them: an out-of-place output) to write with non-temporal stores.
     fn stream_cold_outputs(&mut self) {
-        let out = lens(
-            self.kind,
-            self.count,
-            self.dtype.size(),
-            self.addrs.len(),
-            0,
-        )
-        .1;
-        if out < STREAM_MIN_BYTES {
+        // The largest output of any rank (a reduce's is the root's), so every rank streams alike;
+        // elsewhere than x86-64 there are no streaming stores to gain from.
+        let world = self.addrs.len();
+        let out = (0..world)
+            .map(|p| lens(self.kind, self.count, self.dtype.size(), world, p).1)
+            .max()
+            .unwrap_or(0);
+        if out < STREAM_MIN_BYTES || !cfg!(target_arch = "x86_64") {
             return;
         }
         for job in &mut self.jobs {
