@@ -43,7 +43,7 @@ fn a_planted_circle_is_found() {
     std::fs::write(src.join("inner/mod.rs"), "pub mod b;\n").unwrap();
     std::fs::write(
         src.join("inner/b.rs"),
-        "pub struct Thing;\nfn f() -> super::super::a::Other { todo!() }\n",
+        "pub struct Thing;\nfn f() -> super::super::a::Other {\n    super::super::a::Other\n}\n",
     )
     .unwrap();
     let (ok, text) = import_cycles(&[&dir]);
