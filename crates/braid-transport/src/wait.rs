@@ -213,21 +213,78 @@ pub(crate) fn wait_until(
         if now >= until {
             return Ok(());
         }
-        // Say we sleep, then look once more: with the fence after the other side's store, either it
-        // sees the flag (and wakes us) or we see its store (and do not sleep).
-        flag.store(1, Ordering::Relaxed);
-        fence(Ordering::SeqCst);
-        let seen = word.load(Ordering::Relaxed);
-        if ready() {
-            flag.store(0, Ordering::Relaxed);
-            return Ok(());
-        }
-        futex_wait(word, seen, SLICE.min(ctx.deadline.min(until) - now));
-        flag.store(0, Ordering::Relaxed);
-        if ready() {
+        if sleep_unless(
+            word,
+            flag,
+            &mut ready,
+            SLICE.min(ctx.deadline.min(until) - now),
+        ) {
             return Ok(());
         }
     }
+}
+
+/// A 32-bit word that two sides of a protocol share, with the futex operations on it: the one
+/// primitive the ring protocol ([`crate::shm::protocol`]) and [`sleep_unless`] are written over. The
+/// transport's words are [`AtomicU32`]s in shared memory; a model checker implements it over its own
+/// atomics, so that it checks this very code.
+pub trait Word {
+    /// Reads the word.
+    fn load(&self, order: Ordering) -> u32;
+    /// Writes the word.
+    fn store(&self, value: u32, order: Ordering);
+    /// A sequentially consistent fence in the memory model of this word's atomics.
+    fn fence_seq_cst(&self);
+    /// Sleeps while the word reads `seen`, at most `timeout`. Spurious returns are fine: callers
+    /// re-check.
+    fn sleep(&self, seen: u32, timeout: Duration);
+    /// Wakes every sleeper.
+    fn wake(&self);
+}
+
+impl Word for AtomicU32 {
+    #[inline]
+    fn load(&self, order: Ordering) -> u32 {
+        AtomicU32::load(self, order)
+    }
+    #[inline]
+    fn store(&self, value: u32, order: Ordering) {
+        AtomicU32::store(self, value, order)
+    }
+    #[inline]
+    fn fence_seq_cst(&self) {
+        fence(Ordering::SeqCst)
+    }
+    fn sleep(&self, seen: u32, timeout: Duration) {
+        futex_wait(self, seen, timeout)
+    }
+    fn wake(&self) {
+        futex_wake(self)
+    }
+}
+
+/// The sleeping side of the store-then-load handshake (Dekker's): says that it sleeps (`flag`), then,
+/// after a sequentially consistent fence, reads `word` and `ready()` once more, and sleeps on `word`
+/// only while it still holds what was read. The waking side stores its change to `word`, fences, and
+/// wakes if it reads `flag` set: with the two fences, either it sees the flag (and wakes) or this side
+/// sees its store (and does not sleep), so no wake-up is lost. Returns whether `ready()` held; a
+/// `false` is a wake-up, a timeout or a spurious return, and the caller checks again.
+pub fn sleep_unless<W: Word + ?Sized>(
+    word: &W,
+    flag: &W,
+    mut ready: impl FnMut() -> bool,
+    timeout: Duration,
+) -> bool {
+    flag.store(1, Ordering::Relaxed);
+    flag.fence_seq_cst();
+    let seen = word.load(Ordering::Relaxed);
+    if ready() {
+        flag.store(0, Ordering::Relaxed);
+        return true;
+    }
+    word.sleep(seen, timeout);
+    flag.store(0, Ordering::Relaxed);
+    ready()
 }
 
 /// Sleeps while `*word == seen`, at most `timeout`. Spurious returns are fine: callers re-check.

@@ -22,7 +22,7 @@ use std::cell::Cell;
 use std::fs::OpenOptions;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -431,16 +431,10 @@ struct Ring {
     tx: usize,
     /// Address of the inbound ring's channel block in this rank's own segment (0 as above).
     rx: usize,
-    /// Slots reserved to the peer.
-    reserved: Cell<u32>,
-    /// Slots posted to the peer.
-    posted: Cell<u32>,
-    /// The last credit counter read from the peer, so a sender with credit left reads nothing remote.
-    credit_seen: Cell<u32>,
-    /// Messages received from the peer.
-    recvd: Cell<u32>,
-    /// Messages released to the peer.
-    released: Cell<u32>,
+    /// This rank's side of the outbound ring.
+    send: protocol::Sender,
+    /// This rank's side of the inbound ring.
+    recv: protocol::Receiver,
 }
 
 /// The accessors below are for a ring of a peer with a segment (`tx` and `rx` set), the only kind
@@ -713,14 +707,8 @@ impl ShmLink {
     }
 
     fn has_credit(&self, ring: &Ring) -> bool {
-        let slots = self.layout.slots as u32;
-        let s = ring.reserved.get();
-        if s.wrapping_sub(ring.credit_seen.get()) < slots {
-            return true;
-        }
-        let c = ring.tx_ctrl(C_CONSUMED).load(Ordering::Acquire);
-        ring.credit_seen.set(c);
-        s.wrapping_sub(c) < slots
+        ring.send
+            .has_credit(ring.tx_ctrl(C_CONSUMED), self.layout.slots as u32)
     }
 }
 
@@ -776,8 +764,7 @@ impl Link for ShmLink {
         if !self.has_credit(ring) {
             return Ok(None);
         }
-        let s = ring.reserved.get();
-        ring.reserved.set(s.wrapping_add(1));
+        let s = ring.send.reserve();
         let index = self.index(s);
         let ptr = ring.tx_slot(self.stride, index);
         // SAFETY: the slot is ours until posted: the receiver has released it (credit checked above) and
@@ -806,7 +793,7 @@ impl Link for ShmLink {
             self.id,
             slot.link,
             slot.msg,
-            ring.posted.get(),
+            ring.send.next_post(),
             "post",
         )?;
         if len > self.layout.slot_bytes {
@@ -825,15 +812,8 @@ impl Link for ShmLink {
             hdr.add(S_LEN).cast::<u32>().write_volatile(len as u32);
             hdr.add(S_TAG).cast::<u32>().write_volatile(tag);
         }
-        ring.posted.set(s.wrapping_add(1));
-        let seq = ring.seq(hdr);
-        seq.store(s.wrapping_add(1), Ordering::Release);
-        // With the fence in `wait_until`: the receiver sees this post, or we see that it sleeps (the
-        // handshake the loom model in tests/loom_protocol.rs checks).
-        fence(Ordering::SeqCst);
-        if ring.tx_ctrl(C_RECV_WAITING).load(Ordering::Relaxed) != 0 {
-            futex_wake(seq);
-        }
+        ring.send
+            .post(s, ring.seq(hdr), ring.tx_ctrl(C_RECV_WAITING));
         Ok(())
     }
 
@@ -844,10 +824,10 @@ impl Link for ShmLink {
         ctx: &WaitCtx<'_>,
     ) -> Result<Option<RecvSlot>, Error> {
         let (ring, _) = self.ring(peer, ch)?;
-        let r = ring.recvd.get();
+        let r = ring.recv.next();
         let index = self.index(r);
         let ptr = ring.rx_slot(self.stride, index);
-        if ring.seq(ptr).load(Ordering::Acquire) != r.wrapping_add(1) {
+        if !ring.recv.is_posted(ring.seq(ptr)) {
             return Ok(None);
         }
         // SAFETY: the slot header is within the mapping; the sender wrote it before the Release store of
@@ -883,7 +863,7 @@ impl Link for ShmLink {
                 )?,
             }
         };
-        ring.recvd.set(r.wrapping_add(1));
+        ring.recv.take();
         // SAFETY: as above.
         let slot = unsafe { RecvSlot::new(self.id, peer, ch, r, tag, span) };
         Ok(Some(slot))
@@ -896,18 +876,14 @@ impl Link for ShmLink {
             self.id,
             slot.link,
             slot.msg,
-            ring.released.get(),
+            ring.recv.next_release(),
             "release",
         )?;
-        let r = slot.msg.wrapping_add(1);
-        ring.released.set(r);
-        let consumed = ring.rx_ctrl(C_CONSUMED);
-        consumed.store(r, Ordering::Release);
-        // As in `post`: the sender sees the credit, or we see that it sleeps.
-        fence(Ordering::SeqCst);
-        if ring.rx_ctrl(C_SEND_WAITING).load(Ordering::Relaxed) != 0 {
-            futex_wake(consumed);
-        }
+        ring.recv.release(
+            slot.msg,
+            ring.rx_ctrl(C_CONSUMED),
+            ring.rx_ctrl(C_SEND_WAITING),
+        );
         Ok(())
     }
 
@@ -922,9 +898,7 @@ impl Link for ShmLink {
         let (ring, seg) = self.ring(peer, ch)?;
         let r = match event {
             Event::Data => {
-                let r = ring.recvd.get();
-                let seq = ring.seq(ring.rx_slot(self.stride, self.index(r)));
-                let want = r.wrapping_add(1);
+                let seq = ring.seq(ring.rx_slot(self.stride, self.index(ring.recv.next())));
                 wait_until(
                     &self.policy,
                     ctx,
@@ -933,7 +907,7 @@ impl Link for ShmLink {
                     event.describe(),
                     seq,
                     ring.rx_ctrl(C_RECV_WAITING),
-                    || seq.load(Ordering::Acquire) == want,
+                    || ring.recv.is_posted(seq),
                     || self.check_peer(ctx, peer, seg),
                 )
             }
@@ -1050,6 +1024,7 @@ impl Connected for ShmConnected {
 }
 
 pub mod ipc;
+pub mod protocol;
 pub mod window;
 
 #[cfg(test)]
