@@ -35,9 +35,9 @@ use std::time::Instant;
 
 use braid_core::{DType, Element, Error, ReduceOp};
 
+use crate::call::Kind;
 use crate::comm::OwnedBytes;
 use crate::compressed::Carried;
-use crate::op::Kind;
 use crate::{
     Communicator, CompressedReport, CompressionConfig, GradientCompressor, Priority, SharedBuffer,
     Work,

@@ -19,13 +19,13 @@
 
 mod bootstrap;
 mod buckets;
+mod call;
 mod comm;
 pub mod compressed;
 mod device;
-mod exec;
+mod dispatch;
 mod id;
 mod job;
-mod op;
 mod probe;
 pub mod recorder;
 mod scope;

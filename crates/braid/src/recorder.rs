@@ -11,7 +11,7 @@ use braid_core::{DType, Error};
 use braid_transport::Stamp;
 use parking_lot::Mutex;
 
-use crate::op::Op;
+use crate::call::Call;
 use crate::tune::{Algo, Collective};
 
 /// The algorithm byte of a run straight through shared buffers (no algorithm of the table).
@@ -200,7 +200,7 @@ impl Recorder {
         &self,
         stream: usize,
         seq: u64,
-        op: &Op,
+        op: &Call,
         algo: Option<Algo>,
         started: Stamp,
     ) {
@@ -336,7 +336,7 @@ mod tests {
     #[test]
     fn keeps_the_last_records_and_their_states() {
         let rec = Recorder::default();
-        let op = Op::barrier();
+        let op = Call::barrier();
         for seq in 0..(CAPACITY as u64 + 10) {
             rec.start(0, seq, &op, Some(Algo::Ring), Stamp::now());
             let res = if seq % 2 == 0 {
@@ -382,8 +382,8 @@ mod tests {
         while seen.load(Ordering::Relaxed) < 50_000 && std::time::Instant::now() < until {
             // SAFETY: no memory at all (null with zero lengths).
             let op = unsafe {
-                Op::new(
-                    crate::op::Kind::AllReduce,
+                Call::new(
+                    crate::call::Kind::AllReduce,
                     DType::F32,
                     braid_core::ReduceOp::Sum,
                     seq as usize,

@@ -16,8 +16,8 @@ use braid_core::{DType, Element, Error, ReduceOp};
 use parking_lot::Mutex;
 use tracing::error;
 
+use crate::call::{Blocks, Call, Kind};
 use crate::comm::Communicator;
-use crate::op::{Blocks, Kind, Op};
 use crate::streams::{Priority, StreamEvent, Task, Work};
 
 impl Communicator {
@@ -60,13 +60,13 @@ impl Communicator {
 
     /// Enqueues a barrier on `stream`.
     pub fn barrier_async_on(&self, stream: usize) -> Result<Work<()>, Error> {
-        self.submit_on(stream, Op::barrier(), Box::new(()))
+        self.submit_on(stream, Call::barrier(), Box::new(()))
     }
 
     /// Queues a collective on the caller's raw buffers on `stream` (the `*_raw_async` calls' tail).
     ///
     /// # Safety
-    /// As [`Op::new`]: the buffers stay valid, and untouched by anyone else, until the work completes.
+    /// As [`Call::new`]: the buffers stay valid, and untouched by anyone else, until the work completes.
     #[allow(clippy::too_many_arguments)]
     unsafe fn submit_raw(
         &self,
@@ -81,7 +81,7 @@ impl Communicator {
         recv_len: usize,
     ) -> Result<Work<()>, Error> {
         // SAFETY: the caller's contract is the op's.
-        let op = unsafe { Op::new(kind, dtype, redop, count, send, send_len, recv, recv_len) };
+        let op = unsafe { Call::new(kind, dtype, redop, count, send, send_len, recv, recv_len) };
         self.submit_on(stream, op, Box::new(()))
     }
 
@@ -361,7 +361,7 @@ impl Communicator {
         // and every message's length is checked on arrival instead.
         // SAFETY: the caller's contract is the op's; every block lies within its buffer (checked).
         let op = unsafe {
-            Op::new(
+            Call::new(
                 Kind::AllToAll,
                 dtype,
                 ReduceOp::Sum,
@@ -439,7 +439,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         self.comm
     }
 
-    fn start(&'scope self, stream: usize, op: Op) -> Result<ScopedWork<'scope>, Error> {
+    fn start(&'scope self, stream: usize, op: Call) -> Result<ScopedWork<'scope>, Error> {
         let inner = &self.comm.inner;
         let task = Task::new(op, Some(Box::new(())));
         inner.streams.submit(task.clone(), stream)?;
@@ -474,7 +474,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         // SAFETY: both borrows last for 'env, which outlives the scope, and the scope waits for the op
         // before it returns; the borrow checker keeps them unaliased.
         let op = unsafe {
-            Op::new(
+            Call::new(
                 Kind::AllReduce,
                 T::DTYPE,
                 op,
@@ -499,7 +499,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
         let len = std::mem::size_of_val(buf);
         let p = buf.as_mut_ptr() as *mut u8;
         // SAFETY: as in `all_reduce`, with one buffer.
-        let op = unsafe { Op::new(kind, T::DTYPE, op, buf.len(), p, len, p, len) };
+        let op = unsafe { Call::new(kind, T::DTYPE, op, buf.len(), p, len, p, len) };
         self.start(stream, op)
     }
 
@@ -531,7 +531,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
 
     /// A barrier on `stream`.
     pub fn barrier(&'scope self, stream: usize) -> Result<ScopedWork<'scope>, Error> {
-        self.start(stream, Op::barrier())
+        self.start(stream, Call::barrier())
     }
 
     /// Waits for every collective of the scope; see [`Communicator::scope`].

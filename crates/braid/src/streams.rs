@@ -27,8 +27,8 @@ use crossbeam_queue::SegQueue;
 use parking_lot::{Condvar, Mutex};
 use tracing::error;
 
-use crate::exec::{Executor, Running};
-use crate::op::Op;
+use crate::call::Call;
+use crate::dispatch::{Dispatcher, Running};
 
 /// How urgently a stream's work is advanced.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -67,7 +67,7 @@ type Finished = (Arc<Task>, Result<(), Error>);
 
 /// One op and what becomes of it.
 pub(crate) struct Task {
-    pub(crate) op: Op,
+    pub(crate) op: Call,
     result: Mutex<Option<Result<(), Error>>>,
     done: Condvar,
     keep: Mutex<Option<Box<dyn Any + Send>>>,
@@ -77,7 +77,7 @@ pub(crate) struct Task {
 }
 
 impl Task {
-    pub(crate) fn new(op: Op, keep: Option<Box<dyn Any + Send>>) -> Arc<Task> {
+    pub(crate) fn new(op: Call, keep: Option<Box<dyn Any + Send>>) -> Arc<Task> {
         Arc::new(Task {
             op,
             result: Mutex::new(None),
@@ -218,7 +218,7 @@ impl<R: 'static> Work<R> {
 
 /// What a stream's queue holds.
 enum Item {
-    Op(Arc<Task>),
+    Call(Arc<Task>),
     /// Wait until `count` ops of `stream` have completed.
     After {
         stream: usize,
@@ -235,7 +235,7 @@ struct StreamState {
 
 /// Everything the lock holder needs.
 pub(crate) struct Sched {
-    pub(crate) exec: Executor,
+    pub(crate) exec: Dispatcher,
     streams: Vec<StreamState>,
     /// Stream indices, highest priority first.
     order: Vec<usize>,
@@ -304,7 +304,7 @@ const NAP: Duration = Duration::from_micros(500);
 impl Streams {
     pub(crate) fn new(
         rank: usize,
-        exec: Executor,
+        exec: Dispatcher,
         streams: usize,
         maps: Arc<dyn AbortHandle>,
         abort_flag: Arc<AtomicBool>,
@@ -499,7 +499,7 @@ impl Streams {
     }
 
     /// Runs `op` on `stream` and waits for it, on this thread.
-    pub(crate) fn run_blocking(&self, op: Op, stream: usize) -> Result<(), Error> {
+    pub(crate) fn run_blocking(&self, op: Call, stream: usize) -> Result<(), Error> {
         op.check()?;
         let _turn = self.turn()?;
         self.check_stream(stream)?;
@@ -523,7 +523,7 @@ impl Streams {
             }
         }
         let task = Task::new(op, None);
-        self.push(stream, Item::Op(task.clone()));
+        self.push(stream, Item::Call(task.clone()));
         let deadline = Instant::now() + self.limit;
         let mut callbacks = Vec::new();
         let mut aborted = false;
@@ -595,7 +595,7 @@ impl Streams {
         task.op.check()?;
         let _turn = self.turn()?;
         self.check_stream(stream)?;
-        self.push(stream, Item::Op(task));
+        self.push(stream, Item::Call(task));
         self.ensure_progress_thread()?;
         self.wake();
         Ok(())
@@ -609,7 +609,7 @@ impl Streams {
     }
 
     fn push(&self, stream: usize, item: Item) {
-        if matches!(item, Item::Op(_)) {
+        if matches!(item, Item::Call(_)) {
             self.count_issued(stream);
         }
         self.incoming.push((stream, item));
@@ -646,9 +646,9 @@ impl Streams {
                             }
                             break;
                         }
-                        Some(Item::Op(_)) => {}
+                        Some(Item::Call(_)) => {}
                     }
-                    let Some(Item::Op(task)) = s.streams[si].queue.pop_front() else {
+                    let Some(Item::Call(task)) = s.streams[si].queue.pop_front() else {
                         break;
                     };
                     progressed = true;
@@ -809,7 +809,7 @@ fn run_callbacks(cbs: Vec<(Callback, Result<(), Error>)>) {
 }
 
 /// A panic inside the executor as an error that poisons the communicator.
-fn panicked(rank: usize, op: &Op, seq: u64, p: Box<dyn Any + Send>) -> Error {
+fn panicked(rank: usize, op: &Call, seq: u64, p: Box<dyn Any + Send>) -> Error {
     let msg = p
         .downcast_ref::<&str>()
         .map(|s| s.to_string())

@@ -3,7 +3,7 @@
 use braid_core::{DType, Element, Error, ReduceOp};
 
 use super::Communicator;
-use crate::op::{Kind, Op};
+use crate::call::{Call, Kind};
 
 /// Which side of a collective a caller's buffer is.
 enum In<'a> {
@@ -236,7 +236,7 @@ impl Communicator {
         let ptr = send.as_ptr();
         // SAFETY: `send` is borrowed for the whole (blocking) call and only read by a non-root schedule.
         let op = unsafe {
-            Op::new(
+            Call::new(
                 Kind::Reduce { root },
                 dtype,
                 op,
@@ -268,11 +268,11 @@ impl Communicator {
         // SAFETY: both slices are borrowed for the whole blocking call; lengths were checked by the
         // caller; a shared and a mutable borrow never overlap (the borrow checker saw to that), and in
         // place they are the same pointer.
-        let op = unsafe { Op::new(kind, dtype, redop, count, sp, sl, rp, rl) };
+        let op = unsafe { Call::new(kind, dtype, redop, count, sp, sl, rp, rl) };
         self.run_blocking(op)
     }
 
-    fn run_blocking(&self, op: Op) -> Result<(), Error> {
+    fn run_blocking(&self, op: Call) -> Result<(), Error> {
         self.inner.streams.run_blocking(op, 0)
     }
 
@@ -337,7 +337,7 @@ impl Communicator {
         // SAFETY: `buf` is borrowed mutably for the whole call; the receive side is this rank's block
         // inside it, which the reduce-scatter schedule reads as its own input (same address, `Src::Dst`).
         let op = unsafe {
-            Op::new(
+            Call::new(
                 Kind::ReduceScatter,
                 T::DTYPE,
                 op,
@@ -372,7 +372,8 @@ impl Communicator {
         let count = buf.len() / world;
         let base = buf.as_mut_ptr() as *mut u8;
         // SAFETY: `buf` holds `world × count` elements and is borrowed mutably for the whole call.
-        let op = unsafe { Op::all_gather_in_place(T::DTYPE, count, self.inner.rank, world, base) };
+        let op =
+            unsafe { Call::all_gather_in_place(T::DTYPE, count, self.inner.rank, world, base) };
         self.run_blocking(op)
     }
 

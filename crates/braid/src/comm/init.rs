@@ -10,7 +10,7 @@ use tracing::debug;
 
 use super::{Communicator, Inner};
 use crate::bootstrap::{self, Agreed};
-use crate::exec::Executor;
+use crate::dispatch::Dispatcher;
 use crate::id::{random_secret, UniqueId};
 use crate::job::JobEnv;
 use crate::streams::Streams;
@@ -261,7 +261,7 @@ impl Communicator {
         debug!(rank, world, "communicator ready");
         let hosts = topology.host_groups();
         let link = transport.map(Router::into_link);
-        let mut executor = Executor::new(rank, world, config.clone(), tuner, link, abort.clone());
+        let mut executor = Dispatcher::new(rank, world, config.clone(), tuner, link, abort.clone());
         executor.set_hosts(hosts.clone());
         // The tuner models the link between hosts by the transport that carries it.
         let other_host = |p: usize| !hosts.iter().any(|h| h.contains(&rank) && h.contains(&p));

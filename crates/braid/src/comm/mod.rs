@@ -3,7 +3,7 @@
 //! `collectives.rs`; ops run on streams (`../streams.rs`), and calls on chosen streams and borrowed
 //! buffers are in `../scope.rs`.
 //!
-//! Every collective becomes an [`Op`]; blocking calls and the `*_async` calls without a stream run on
+//! Every collective becomes a [`Call`]; blocking calls and the `*_async` calls without a stream run on
 //! stream 0, in the order they were issued.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use braid_core::{Config, Element, Error, ReduceOp};
 
-use crate::op::{Kind, Op};
+use crate::call::{Call, Kind};
 use crate::streams::{Streams, Task, Work};
 use crate::tune::{Algo, Collective};
 
@@ -185,13 +185,14 @@ impl Communicator {
         let base = boxed.as_mut_ptr() as *mut u8;
         // SAFETY: the vector (`world × count` elements) is owned by the task until it completes and is
         // not touched by anyone else meanwhile (moving the box does not move its heap buffer).
-        let op = unsafe { Op::all_gather_in_place(T::DTYPE, count, self.inner.rank, world, base) };
+        let op =
+            unsafe { Call::all_gather_in_place(T::DTYPE, count, self.inner.rank, world, base) };
         self.submit(op, boxed)
     }
 
     /// Enqueues a barrier.
     pub fn barrier_async(&self) -> Work<()> {
-        self.submit(Op::barrier(), Box::new(()))
+        self.submit(Call::barrier(), Box::new(()))
     }
 
     fn submit_owned<T: Element>(&self, kind: Kind, redop: ReduceOp, buf: Vec<T>) -> Work<Vec<T>> {
@@ -213,11 +214,11 @@ impl Communicator {
         let ptr = boxed.as_mut_ptr() as *mut u8;
         // SAFETY: the vector's heap buffer is owned by the task until it completes (moving the box does
         // not move the heap buffer) and nobody else touches it meanwhile.
-        let op = unsafe { Op::new(kind, T::DTYPE, redop, count, ptr, len, ptr, len) };
+        let op = unsafe { Call::new(kind, T::DTYPE, redop, count, ptr, len, ptr, len) };
         self.submit_on(stream, op, boxed)
     }
 
-    fn submit<R: Send + 'static>(&self, op: Op, keep: Box<R>) -> Work<R> {
+    fn submit<R: Send + 'static>(&self, op: Call, keep: Box<R>) -> Work<R> {
         self.submit_on(0, op, keep)
             .unwrap_or_else(|e| self.failed_work(e))
     }
@@ -225,7 +226,7 @@ impl Communicator {
     pub(crate) fn submit_on<R: Send + 'static>(
         &self,
         stream: usize,
-        op: Op,
+        op: Call,
         keep: Box<R>,
     ) -> Result<Work<R>, Error> {
         let inner = &self.inner;
@@ -274,7 +275,7 @@ impl Communicator {
         // completes; they do not move with the box (`OwnedBytes`), and nobody else touches them
         // meanwhile.
         let op = unsafe {
-            Op::new(
+            Call::new(
                 kind,
                 dtype,
                 redop,
@@ -290,7 +291,7 @@ impl Communicator {
 
     /// A work handle that already holds `e` (a submission that could not be queued).
     fn failed_work<R: Send + 'static>(&self, e: Error) -> Work<R> {
-        let task = Task::new(Op::barrier(), None);
+        let task = Task::new(Call::barrier(), None);
         task.fail_now(e);
         Work::new(task, self.inner.rank, Duration::ZERO, None)
     }

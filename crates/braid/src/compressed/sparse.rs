@@ -30,7 +30,7 @@ use braid_sched::sparse::{quota, Partition, HISTOGRAM_BUCKETS, PAIR_BYTES};
 
 use super::paths::internal;
 use super::{CompressedPath, GradientCompressor};
-use crate::op::{Blocks, Kind, Op};
+use crate::call::{Blocks, Call, Kind};
 use crate::Communicator;
 
 /// What a rank keeps between sparse reduce-scatter steps.
@@ -224,7 +224,7 @@ impl Communicator {
         // SAFETY: both slices are borrowed for the whole blocking call and do not overlap (one shared,
         // one mutable borrow); every block lies within its buffer (checked above).
         let op = unsafe {
-            Op::new(
+            Call::new(
                 Kind::AllToAll,
                 DType::U8,
                 braid_core::ReduceOp::Sum,

@@ -21,7 +21,7 @@ use braid_core::{DType, Element, Error, ReduceOp};
 use braid_transport::shm::window::{Board, Window};
 use braid_transport::{Span, WaitPolicy};
 
-use crate::op::{Kind, Op};
+use crate::call::{Call, Kind};
 use crate::Communicator;
 
 use run::Place;
@@ -166,7 +166,7 @@ impl Shared {
     }
 
     /// Where `op`'s input and output lie, when its kind takes the shared path and both are shared.
-    fn places(&self, op: &Op) -> Option<(Place, Place)> {
+    fn places(&self, op: &Call) -> Option<(Place, Place)> {
         if self.world() < 2 || op.count == 0 || op.has_blocks() {
             return None;
         }
@@ -181,7 +181,7 @@ impl Shared {
     /// shared; `None` otherwise (the op runs on messages).
     pub(crate) fn start(
         &mut self,
-        op: &Op,
+        op: &Call,
         stream: usize,
         seq: u64,
         started: Instant,

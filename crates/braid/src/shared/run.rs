@@ -25,7 +25,7 @@ use braid_transport::shm::window::{DESCRIPTOR_WORDS, INLINE_BYTES};
 use braid_transport::WaitCtx;
 
 use super::Shared;
-use crate::op::Kind;
+use crate::call::Kind;
 
 /// Bytes of output per step: a poll's budget counts these.
 const STEP_BYTES: usize = 256 << 10;

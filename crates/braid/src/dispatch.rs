@@ -1,6 +1,8 @@
-//! The communicator's front of the executor: numbers ops, picks each op's algorithm with the tuner,
-//! records it in the flight recorder and runs it with braid-exec's [`braid_exec::Executor`] on the
-//! calling thread (no hand-off on the blocking path).
+//! The dispatcher: the communicator's way to run a [`Call`]. It numbers calls per stream, sends each
+//! one straight through shared buffers ([`crate::shared`]) when they all are, otherwise picks its
+//! algorithm with the tuner and runs its plan with braid-exec's [`braid_exec::Executor`] (on the
+//! calling thread on the blocking path: no hand-off), and records it in the flight recorder and on
+//! the timeline.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -12,7 +14,7 @@ use braid_sched::Algo;
 use braid_transport::{Link, Stamp};
 use tracing::{error, trace};
 
-use crate::op::Op;
+use crate::call::Call;
 use crate::recorder::Recorder;
 use crate::shared::{Shared, SharedRun};
 use crate::timeline::{now_ns, Event, Timeline};
@@ -68,8 +70,8 @@ impl Running {
 /// What the recorder and the timeline call the path of a run over shared buffers.
 const SHARED: &str = "shared";
 
-/// Runs ops on one rank: numbers them per stream, picks algorithms, records them.
-pub(crate) struct Executor {
+/// Runs calls on one rank: numbers them per stream, picks their path and algorithm, records them.
+pub(crate) struct Dispatcher {
     pub rank: usize,
     config: Config,
     pub tuner: Tuner,
@@ -86,7 +88,7 @@ pub(crate) struct Executor {
     abort: Arc<AtomicBool>,
 }
 
-impl Executor {
+impl Dispatcher {
     pub(crate) fn new(
         rank: usize,
         world: usize,
@@ -94,7 +96,7 @@ impl Executor {
         tuner: Tuner,
         link: Option<Box<dyn Link>>,
         abort: Arc<AtomicBool>,
-    ) -> Executor {
+    ) -> Dispatcher {
         let settings = Settings {
             timeout: config.timeout,
             debug_checks: config.debug_checks,
@@ -112,7 +114,7 @@ impl Executor {
             .timeline
             .as_deref()
             .map(|p| Arc::new(Timeline::new(p, rank, config.streams.max(1))));
-        Executor {
+        Dispatcher {
             rank,
             seqs: vec![0; config.streams.max(1)],
             config,
@@ -145,43 +147,80 @@ impl Executor {
     /// happened (memory of the wrong kind) takes no sequence number.
     pub(crate) fn start(
         &mut self,
-        op: &Op,
+        op: &Call,
         stream: usize,
         issued_ns: u64,
     ) -> Result<Running, Error> {
-        let Some(seq) = self.seqs.get(stream).copied() else {
-            return Err(Error::invalid(format!(
-                "stream {stream} does not exist (the communicator has {})",
-                self.seqs.len()
-            )));
-        };
+        let seq = self.seq(stream)?;
         let stamp = Stamp::now();
         let started = stamp.instant();
         let (algo, run) = match self.start_shared(op, stream, seq, started) {
             Some(run) => (None, Flow::Shared(run)),
-            None => match self.custom_plan(op) {
-                Some(plan) => (
-                    Some(Algo::Direct),
-                    Flow::Plan(self.exec.start_plan(op.spec, plan, stream, seq, started)?),
-                ),
-                None => {
-                    let algo = self
-                        .tuner
-                        .pick_cached(op.kind.collective(), op.count * op.dtype.size());
-                    let run = self.exec.start(op.spec, algo, stream, seq, started)?;
-                    (Some(algo), Flow::Plan(run))
-                }
-            },
+            None => {
+                let (custom, algo) = self.route(op);
+                let run = match custom {
+                    Some(plan) => self.exec.start_plan(op.spec, plan, stream, seq, started)?,
+                    None => self.exec.start(op.spec, algo, stream, seq, started)?,
+                };
+                (Some(algo), Flow::Plan(run))
+            }
         };
         Ok(self.begin(op, stream, seq, algo, run, stamp, issued_ns))
     }
 
+    /// The sequence number the next call on `stream` gets, or an error if there is no such stream.
+    fn seq(&self, stream: usize) -> Result<u64, Error> {
+        self.seqs.get(stream).copied().ok_or_else(|| {
+            Error::invalid(format!(
+                "stream {stream} does not exist (the communicator has {})",
+                self.seqs.len()
+            ))
+        })
+    }
+
+    /// How a call that does not go through shared buffers runs: its own plan (an all-to-all of
+    /// blocks of any size, with [`Algo::Direct`]), or the tuner's algorithm for its size.
+    fn route(&mut self, op: &Call) -> (Option<Arc<Plan>>, Algo) {
+        match self.custom_plan(op) {
+            Some(plan) => (Some(plan), Algo::Direct),
+            None => {
+                let bytes = op.count * op.dtype.size();
+                (None, self.tuner.pick_cached(op.kind.collective(), bytes))
+            }
+        }
+    }
+
+    /// What the timeline will show of `op` run with `algo`, started now (nothing without a
+    /// timeline).
+    fn shown(&self, op: &Call, algo: &'static str) -> Option<Shown> {
+        self.timeline.as_ref().map(|_| Shown {
+            name: op.kind.name(),
+            count: op.count,
+            dtype: op.dtype,
+            algo,
+            began_ns: now_ns(),
+        })
+    }
+
+    /// Counts a started call on its stream and records its start: what makes a call started.
+    #[allow(clippy::too_many_arguments)]
+    fn count_and_record(
+        seqs: &mut [u64],
+        recorder: &Recorder,
+        stream: usize,
+        seq: u64,
+        op: &Call,
+        algo: Option<Algo>,
+        stamp: Stamp,
+    ) {
+        seqs[stream] += 1;
+        recorder.start(stream, seq, op, algo, stamp);
+    }
+
     /// Starts `op` on `stream` if it runs straight through shared buffers (`None` otherwise, and
     /// nothing happened).
-    fn start_if_shared(&mut self, op: &Op, stream: usize) -> Result<Option<Running>, Error> {
-        let Some(seq) = self.seqs.get(stream).copied() else {
-            return Err(Error::invalid(format!("stream {stream} does not exist")));
-        };
+    fn start_if_shared(&mut self, op: &Call, stream: usize) -> Result<Option<Running>, Error> {
+        let seq = self.seq(stream)?;
         let stamp = Stamp::now();
         let Some(run) = self.start_shared(op, stream, seq, stamp.instant()) else {
             return Ok(None);
@@ -194,7 +233,7 @@ impl Executor {
     #[allow(clippy::too_many_arguments)]
     fn begin(
         &mut self,
-        op: &Op,
+        op: &Call,
         stream: usize,
         seq: u64,
         algo: Option<Algo>,
@@ -202,30 +241,22 @@ impl Executor {
         stamp: Stamp,
         issued_ns: u64,
     ) -> Running {
-        self.seqs[stream] += 1;
         let algo_name = algo.map_or(SHARED, Algo::name);
         trace!(rank = self.rank, stream, seq, op = op.kind.name(), count = op.count, dtype = %op.dtype, algo = algo_name, "run");
-        self.recorder.start(stream, seq, op, algo, stamp);
-        let shown = self.timeline.as_ref().map(|t| {
-            let began_ns = now_ns();
-            if issued_ns != 0 && began_ns > issued_ns {
+        Dispatcher::count_and_record(&mut self.seqs, &self.recorder, stream, seq, op, algo, stamp);
+        let shown = self.shown(op, algo_name);
+        if let (Some(t), Some(shown)) = (&self.timeline, &shown) {
+            if issued_ns != 0 && shown.began_ns > issued_ns {
                 t.push(Event {
                     name: "queued".into(),
                     cat: "queue",
                     tid: stream as u64,
                     start_ns: issued_ns,
-                    end_ns: began_ns,
+                    end_ns: shown.began_ns,
                     args: Default::default(),
                 });
             }
-            Shown {
-                name: op.kind.name(),
-                count: op.count,
-                dtype: op.dtype,
-                algo: algo_name,
-                began_ns,
-            }
-        });
+        }
         Running { run, stamp, shown }
     }
 
@@ -233,7 +264,7 @@ impl Executor {
     /// validity of the op first, as the plan path does).
     fn start_shared(
         &mut self,
-        op: &Op,
+        op: &Call,
         stream: usize,
         seq: u64,
         started: Instant,
@@ -307,7 +338,7 @@ impl Executor {
     }
 
     /// Runs `op` on `stream` to completion on this thread.
-    pub(crate) fn run(&mut self, op: &Op, stream: usize) -> Result<(), Error> {
+    pub(crate) fn run(&mut self, op: &Call, stream: usize) -> Result<(), Error> {
         if self.shared.is_some() {
             if let Some(mut r) = self.start_if_shared(op, stream)? {
                 // The run's own deadline bounds every wait: no clock is read here.
@@ -322,31 +353,15 @@ impl Executor {
                 }
             }
         }
-        let Some(seq) = self.seqs.get(stream).copied() else {
-            return Err(Error::invalid(format!("stream {stream} does not exist")));
-        };
+        let seq = self.seq(stream)?;
         let stamp = Stamp::now();
         let started = stamp.instant();
-        let custom = self.custom_plan(op);
-        let algo = match custom {
-            Some(_) => Algo::Direct,
-            None => self
-                .tuner
-                .pick_cached(op.kind.collective(), op.count * op.dtype.size()),
-        };
-        let shown = self.timeline.as_ref().map(|_| Shown {
-            name: op.kind.name(),
-            count: op.count,
-            dtype: op.dtype,
-            algo: algo.name(),
-            began_ns: now_ns(),
-        });
-        // An op refused before it starts takes no number and leaves no record.
+        let (custom, algo) = self.route(op);
+        let shown = self.shown(op, algo.name());
+        // A call refused before it starts takes no number and leaves no record.
         let (seqs, recorder) = (&mut self.seqs, &self.recorder);
-        let mut on_start = || {
-            seqs[stream] += 1;
-            recorder.start(stream, seq, op, Some(algo), stamp);
-        };
+        let mut on_start =
+            || Dispatcher::count_and_record(seqs, recorder, stream, seq, op, Some(algo), stamp);
         let result = match custom {
             Some(plan) => match self.exec.start_plan(op.spec, plan, stream, seq, started) {
                 Ok(mut run) => {
@@ -370,7 +385,7 @@ impl Executor {
     }
 
     /// The schedule of an op with blocks of any size (not cached: the sizes change every call).
-    fn custom_plan(&self, op: &Op) -> Option<Arc<Plan>> {
+    fn custom_plan(&self, op: &Call) -> Option<Arc<Plan>> {
         let b = op.blocks.as_deref()?;
         let (world, rank) = (self.exec.world(), self.rank);
         let actions = braid_sched::direct::all_to_all_v(

@@ -56,7 +56,7 @@ pub(crate) struct Blocks {
 }
 
 /// One collective call, validated, over host memory.
-pub(crate) struct Op {
+pub(crate) struct Call {
     pub kind: Kind,
     pub dtype: DType,
     pub count: usize,
@@ -65,7 +65,7 @@ pub(crate) struct Op {
     pub(crate) blocks: Option<Box<Blocks>>,
 }
 
-impl Op {
+impl Call {
     /// # Safety
     /// `send` must be valid for reads of `send_len` bytes and `recv` for reads and writes of `recv_len`
     /// bytes until the op has run; nothing else may access them meanwhile. The buffers are identical, or
@@ -81,7 +81,7 @@ impl Op {
         send_len: usize,
         recv: *mut u8,
         recv_len: usize,
-    ) -> Op {
+    ) -> Call {
         // SAFETY: the caller's contract is the spans' contract.
         let (send, recv) = unsafe {
             (
@@ -89,7 +89,7 @@ impl Op {
                 Span::host(recv, recv_len),
             )
         };
-        Op {
+        Call {
             kind,
             dtype,
             count,
@@ -138,13 +138,13 @@ impl Op {
     ///
     /// # Safety
     /// Every range of `blocks` must lie within the op's buffers (input for `send`, output for `recv`).
-    pub(crate) unsafe fn with_blocks(mut self, blocks: Blocks) -> Op {
+    pub(crate) unsafe fn with_blocks(mut self, blocks: Blocks) -> Call {
         self.blocks = Some(Box::new(blocks));
         self
     }
 }
 
-impl Op {
+impl Call {
     /// An in-place all-gather of `count` elements per rank over the `world × count` elements at
     /// `base`; this rank's block (`rank`) is the input.
     ///
@@ -157,12 +157,12 @@ impl Op {
         rank: usize,
         world: usize,
         base: *mut u8,
-    ) -> Op {
+    ) -> Call {
         let es = dtype.size();
         // SAFETY: the caller's contract; the input is this rank's block inside the output, which the
         // all-gather schedule only reads (and never writes to another block's range).
         unsafe {
-            Op::new(
+            Call::new(
                 Kind::AllGather,
                 dtype,
                 ReduceOp::Sum,
@@ -176,10 +176,10 @@ impl Op {
     }
 
     /// A barrier: no buffers.
-    pub(crate) fn barrier() -> Op {
+    pub(crate) fn barrier() -> Call {
         // SAFETY: no memory at all (null with zero lengths).
         unsafe {
-            Op::new(
+            Call::new(
                 Kind::Barrier,
                 DType::U8,
                 ReduceOp::Sum,
@@ -193,9 +193,9 @@ impl Op {
     }
 }
 
-// SAFETY: an `Op` is a description of buffers whose validity its creator guarantees until the op
-// completes, whichever thread runs it (see `Op::new`).
-unsafe impl Send for Op {}
-// SAFETY: sharing an `Op` shares only addresses; the memory behind them is touched solely by the
+// SAFETY: a `Call` is a description of buffers whose validity its creator guarantees until the op
+// completes, whichever thread runs it (see `Call::new`).
+unsafe impl Send for Call {}
+// SAFETY: sharing a `Call` shares only addresses; the memory behind them is touched solely by the
 // executor, which runs one op at a time under the communicator's executor lock.
-unsafe impl Sync for Op {}
+unsafe impl Sync for Call {}
