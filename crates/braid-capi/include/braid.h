@@ -407,7 +407,8 @@ typedef void (*braid_work_callback)(void *user_data, enum braid_result result);
 
 /**
  * Adam-safe compression (`/adam=STEPS`) past its warm-up: Adam's first moment averaged over ranks; the
- * caller's Adam freezes its second moment and steps with this moment (see README).
+ * caller's Adam freezes its second moment and steps with this moment (see "Adam-safe compression" in
+ * docs/src/compression/all-reduce.md).
  */
 #define BRAID_OUTPUT_MOMENTUM 1
 
@@ -660,7 +661,11 @@ enum braid_result braid_buckets_destroy(struct braid_buckets *buckets);
 
 /**
  * All-reduce of `count` elements from `sendbuf` into `recvbuf` on every rank; in place when
- * `sendbuf == recvbuf`. Buffers may be NULL when `count` is 0. `stream` must be NULL (the host stream).
+ * `sendbuf == recvbuf`. Buffers may be NULL when `count` is 0. `stream` is NULL (the host stream) for
+ * host memory; once `braid_comm_use_cuda_device` has given `comm` a GPU, a CUDA stream (`cudaStream_t`)
+ * with device memory, and the call is then ordered on that stream and returns without waiting for the
+ * GPU. The other blocking collectives (reduce-scatter, all-gather, broadcast, reduce, barrier) take
+ * `stream` the same way; the asynchronous calls take the host stream only.
  *
  * # Safety
  * `sendbuf` is readable and `recvbuf` writable for `count` elements, and neither is touched by another
@@ -751,10 +756,11 @@ enum braid_result braid_barrier(struct braid_comm *comm, void *stream);
  * text, the grammar `BRAID_COMPRESS` and `braid compress-eval` use: a codec (`none`, `fp16`, `bf16`,
  * `int8`, `int8:BLOCK`, `sign`, `topk:DENSITY`, `randomk:DENSITY`, `powersgd:RANK`, ...) followed by
  * options (`/noef`, `/clip=X`, `/gclip=X`, `/momentum=M`, `/warmup=STEPS[:START]`, `/adam=STEPS`, ...; see
- * README), the defaults for what it does not say; NULL takes the environment (`BRAID_COMPRESS` and the
- * other `BRAID_COMPRESS_*` variables) or the default, top-k at 10%. `error_feedback` is 1 (remember what
- * compression dropped and add it to the next gradient), 0, or -1 (as the text, or the environment, says;
- * default on). Every rank must make the same compressor for the same tensor.
+ * docs/src/compression/all-reduce.md), the defaults for what it does not say; NULL takes the
+ * environment (`BRAID_COMPRESS` and the other `BRAID_COMPRESS_*` variables) or the default, top-k at
+ * 10%. `error_feedback` is 1 (remember what compression dropped and add it to the next gradient), 0, or
+ * -1 (as the text, or the environment, says; default on). Every rank must make the same compressor for
+ * the same tensor.
  *
  * # Safety
  * `out` is NULL or valid for writing a pointer; `codec_spec` is NULL or a NUL-terminated string.

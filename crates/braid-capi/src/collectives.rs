@@ -75,17 +75,18 @@ pub(crate) fn redop_of(op: braid_redop) -> Result<ReduceOp, Error> {
         .ok_or_else(|| invalid(format!("op {op} is not a braid_redop (valid: 0..=7)")))
 }
 
-/// For the calls that take host memory only: `stream` must be NULL.
+/// For the calls that take host memory only (the asynchronous ones, the compressed all-reduce):
+/// `stream` must be NULL.
 pub(crate) fn host_stream(stream: *mut c_void) -> Result<(), Error> {
     if !stream.is_null() {
         return Err(invalid(
-            "stream: this call takes host memory and the host stream (NULL); the blocking all-reduce, reduce-scatter, all-gather and broadcast take a CUDA stream with device memory",
+            "stream: this call takes host memory and the host stream (NULL); the blocking all-reduce, reduce-scatter, all-gather, broadcast, reduce and barrier take a CUDA stream with device memory",
         ));
     }
     Ok(())
 }
 
-/// The communicator, after the stream check every collective makes.
+/// The communicator, after the stream check of the calls that take host memory only.
 pub(crate) fn checked_comm(
     comm: *mut braid_comm,
     stream: *mut c_void,
@@ -128,7 +129,11 @@ pub(crate) fn root_of(root: c_int, c: &Communicator) -> Result<usize, Error> {
 }
 
 /// All-reduce of `count` elements from `sendbuf` into `recvbuf` on every rank; in place when
-/// `sendbuf == recvbuf`. Buffers may be NULL when `count` is 0. `stream` must be NULL (the host stream).
+/// `sendbuf == recvbuf`. Buffers may be NULL when `count` is 0. `stream` is NULL (the host stream) for
+/// host memory; once `braid_comm_use_cuda_device` has given `comm` a GPU, a CUDA stream (`cudaStream_t`)
+/// with device memory, and the call is then ordered on that stream and returns without waiting for the
+/// GPU. The other blocking collectives (reduce-scatter, all-gather, broadcast, reduce, barrier) take
+/// `stream` the same way; the asynchronous calls take the host stream only.
 ///
 /// # Safety
 /// `sendbuf` is readable and `recvbuf` writable for `count` elements, and neither is touched by another

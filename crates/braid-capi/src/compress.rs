@@ -80,7 +80,8 @@ pub type braid_compress_output = c_int;
 /// The (approximate) sum or average of the ranks' gradients.
 pub const BRAID_OUTPUT_GRADIENT: braid_compress_output = 0;
 /// Adam-safe compression (`/adam=STEPS`) past its warm-up: Adam's first moment averaged over ranks; the
-/// caller's Adam freezes its second moment and steps with this moment (see README).
+/// caller's Adam freezes its second moment and steps with this moment (see "Adam-safe compression" in
+/// docs/src/compression/all-reduce.md).
 pub const BRAID_OUTPUT_MOMENTUM: braid_compress_output = 1;
 
 fn path_code(p: CompressedPath) -> braid_compress_path {
@@ -99,10 +100,11 @@ fn path_code(p: CompressedPath) -> braid_compress_path {
 /// text, the grammar `BRAID_COMPRESS` and `braid compress-eval` use: a codec (`none`, `fp16`, `bf16`,
 /// `int8`, `int8:BLOCK`, `sign`, `topk:DENSITY`, `randomk:DENSITY`, `powersgd:RANK`, ...) followed by
 /// options (`/noef`, `/clip=X`, `/gclip=X`, `/momentum=M`, `/warmup=STEPS[:START]`, `/adam=STEPS`, ...; see
-/// README), the defaults for what it does not say; NULL takes the environment (`BRAID_COMPRESS` and the
-/// other `BRAID_COMPRESS_*` variables) or the default, top-k at 10%. `error_feedback` is 1 (remember what
-/// compression dropped and add it to the next gradient), 0, or -1 (as the text, or the environment, says;
-/// default on). Every rank must make the same compressor for the same tensor.
+/// docs/src/compression/all-reduce.md), the defaults for what it does not say; NULL takes the
+/// environment (`BRAID_COMPRESS` and the other `BRAID_COMPRESS_*` variables) or the default, top-k at
+/// 10%. `error_feedback` is 1 (remember what compression dropped and add it to the next gradient), 0, or
+/// -1 (as the text, or the environment, says; default on). Every rank must make the same compressor for
+/// the same tensor.
 ///
 /// # Safety
 /// `out` is NULL or valid for writing a pointer; `codec_spec` is NULL or a NUL-terminated string.

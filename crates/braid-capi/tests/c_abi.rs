@@ -124,7 +124,7 @@ fn hostile_input_is_rejected_without_effect_under_sanitizers() {
 }
 
 /// Installs header, one library file and `braid.pc` (from the template) into a fresh prefix, as the
-/// README says; returns the prefix.
+/// C ABI page of the docs (`docs/src/c-abi.md`) says; returns the prefix.
 fn stage(name: &str, lib: &str) -> PathBuf {
     let (_, libdir) = artifacts();
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));

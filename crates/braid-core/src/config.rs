@@ -264,6 +264,42 @@ fn mtu_refused(mtu: u32) -> Option<String> {
 }
 
 impl Config {
+    /// Every environment variable [`Config::from_env`] reads. [`Config::from_lookup`] asks for nothing
+    /// else (a name missing here fails its debug assertion, and a unit test checks that it asks for
+    /// each of these), and the environment page of the docs (`docs/src/environment.md`) must document
+    /// every one (`tests/environment_docs.rs`).
+    pub const VARIABLES: &'static [&'static str] = &[
+        "BRAID_TIMEOUT_MS",
+        "BRAID_CHUNK_BYTES",
+        "BRAID_SLOTS",
+        "BRAID_STREAMS",
+        "BRAID_CHANNELS",
+        "BRAID_SPIN_US",
+        "BRAID_ALGO",
+        "BRAID_TIMELINE",
+        "BRAID_TUNE_FILE",
+        "BRAID_DIRECT_MAX_BYTES",
+        "BRAID_BUCKET_BYTES",
+        "BRAID_DEBUG_CHECKS",
+        "BRAID_DUMP_ON_TIMEOUT",
+        "BRAID_TRANSPORT",
+        "BRAID_SOCKETS_PER_PEER",
+        "BRAID_SOCKET_IFNAME",
+        "BRAID_HOST_ID",
+        "BRAID_TOPO_FILE",
+        "BRAID_TOPO_PROBE",
+        "BRAID_TOPO_DUMP_FILE",
+        "BRAID_IB_HCA",
+        "BRAID_IB_QPS_PER_PEER",
+        "BRAID_IB_GID_INDEX",
+        "BRAID_IB_TC",
+        "BRAID_IB_TIMEOUT",
+        "BRAID_IB_RETRY_CNT",
+        "BRAID_IB_MTU",
+        "BRAID_IB_TEST_BAD_RKEY",
+        "BRAID_DEBUG",
+    ];
+
     /// Why a channel cannot have `slots` slots (`None`: it can). A message's slot is its 32-bit
     /// counter modulo the slot count, so the count must divide 2^32: a power of two, at least 2.
     pub fn slots_refused(slots: usize) -> Option<String> {
@@ -326,6 +362,13 @@ impl Config {
 
     /// The defaults overridden by `lookup` (a stand-in for the environment, used by tests).
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Config, Error> {
+        let lookup = |name: &str| {
+            debug_assert!(
+                Config::VARIABLES.contains(&name),
+                "{name} is read but missing from Config::VARIABLES"
+            );
+            lookup(name)
+        };
         let mut c = Config::default();
         if let Some(v) = lookup("BRAID_TIMEOUT_MS") {
             c.timeout = Duration::from_millis(TIMEOUT_MS.parse(&v)?);
@@ -455,6 +498,24 @@ mod tests {
     #[test]
     fn defaults_without_variables() {
         assert_eq!(Config::from_lookup(|_| None).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn the_variables_read_are_exactly_the_listed_ones() {
+        let asked = std::cell::RefCell::new(Vec::new());
+        Config::from_lookup(|k| {
+            asked.borrow_mut().push(k.to_string());
+            None
+        })
+        .unwrap();
+        let mut asked = asked.into_inner();
+        asked.sort();
+        let mut listed: Vec<String> = Config::VARIABLES.iter().map(|v| v.to_string()).collect();
+        listed.sort();
+        assert_eq!(
+            asked, listed,
+            "the variables from_lookup reads vs Config::VARIABLES"
+        );
     }
 
     #[test]
