@@ -4,12 +4,11 @@
 //! its first argument. The checks themselves are shared with the in-process tests of `braid`.
 
 mod common;
-#[path = "../../braid/tests/compress_scenario/mod.rs"]
-mod scenario;
 
 use std::time::Instant;
 
 use braid::{CodecSpec, Communicator, CompressionConfig, GradientCompressor, ReduceOp};
+use braid_testkit::compression as scenario;
 use common::{braid_run, braid_segments, case, no_segments_left, show};
 
 // ---------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ use braid_cuda::{
     Shape, Stream,
 };
 use braid_exec::{CpuEngine, Engine, Kernel, Operand as KOperand};
+use braid_testkit::process::{hex, read_marked, unhex};
 use braid_transport::Span;
 use support::cases::{check_kernel, data, Grid, Operand, Rng, Runner};
 
@@ -780,31 +781,4 @@ fn ipc_rank_1_of_a_child_process() {
     let got = ipc_receive(&gpu, &*link, 0);
     let verdict = if got == ipc_message() { "ok" } else { "wrong" };
     println!("\nBRAID-RECEIVED {verdict}");
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Vec<u8> {
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
-        .collect()
-}
-
-/// The rest of the first line read from `input` that holds `marker` (the test harness may print before it
-/// on the same line), trimmed; a panic when the input ends first.
-fn read_marked(input: &mut impl std::io::BufRead, marker: &str) -> String {
-    let mut line = String::new();
-    loop {
-        line.clear();
-        assert!(
-            input.read_line(&mut line).unwrap() > 0,
-            "the other process ended before it sent {marker:?}"
-        );
-        if let Some(at) = line.find(marker) {
-            return line[at + marker.len()..].trim().to_string();
-        }
-    }
 }

@@ -2,14 +2,11 @@
 //! order the gradients arrive in, the rebuild in rank 0's order, refusals that change nothing, missing
 //! gradients, and compressed buckets whose error feedback survives the rebuild.
 
-#[path = "compress_scenario/mod.rs"]
-mod scenario;
-
 use braid::{
     BucketOptions, CodecSpec, CompressionConfig, DType, GradientBuckets, ReduceOp, SparsePath,
 };
+use braid_testkit::compression::{with_ranks, with_ranks_checked};
 use half::{bf16, f16};
-use scenario::{with_ranks, with_ranks_checked};
 
 fn mix(a: u64, b: u64, c: u64) -> u64 {
     let mut z = a.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ b.rotate_left(21) ^ c.rotate_left(42);

@@ -1,10 +1,8 @@
 //! Compressed all-reduce and all-to-all with ranks as threads of one process, and the configuration's
 //! parsing: codec text, environment variables, validation.
 
-#[path = "compress_scenario/mod.rs"]
-mod scenario;
-
-use scenario::{with_ranks, with_ranks_checked};
+use braid_testkit::compression as scenario;
+use braid_testkit::compression::{with_ranks, with_ranks_checked};
 
 use braid::{CodecSpec, CompressionConfig, Error, GradientCompressor};
 use proptest::prelude::*;

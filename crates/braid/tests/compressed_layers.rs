@@ -3,13 +3,10 @@
 //! 1-D tensors summed exactly, layouts that do not fit refused without effect, and ranks that disagree
 //! about the layout told so.
 
-#[path = "compress_scenario/mod.rs"]
-mod scenario;
-
 use braid::braid_compress::power_sgd::{multiply, multiply_transposed, orthogonalize};
 use braid::braid_compress::rng::{Stream, TAG_POWER_SGD};
 use braid::{CodecSpec, CompressedPath, CompressionConfig, Error, GradientCompressor, ReduceOp};
-use scenario::{assert_identical, gradient, with_ranks};
+use braid_testkit::compression::{assert_identical, gradient, with_ranks};
 
 const SEED: u64 = 11;
 

@@ -11,8 +11,7 @@ use braid::{Communicator, Config, DType, DeviceCommunicator, ReduceOp};
 use braid_exec::{CpuEngine, EmulatedDeviceEngine};
 use braid_transport::{DeviceAllocation, DeviceMemory, EmulatedDevice, Span};
 
-mod common;
-use common::with_ranks_each;
+use braid_testkit::ranks::with_ranks_each;
 
 fn config() -> Config {
     Config {

@@ -9,8 +9,7 @@ use braid::{Communicator, DType, Error, ReduceOp, SharedBuffer};
 use braid_core::exact;
 use braid_core::reduce::{reduce_ordered, Src};
 
-mod common;
-use common::{config, with_ranks};
+use braid_testkit::ranks::{config, with_ranks};
 
 /// The algorithm the flight record gives the last op.
 fn last_path(c: &Communicator) -> &'static str {

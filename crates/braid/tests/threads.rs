@@ -8,8 +8,7 @@ use std::time::{Duration, Instant};
 
 use braid::{Communicator, Config, DType, Error, ReduceOp, UniqueId};
 
-mod common;
-use common::{config, with_ranks};
+use braid_testkit::ranks::{config, with_ranks};
 
 #[test]
 fn invalid_arguments_change_nothing_and_leave_the_communicator_usable() {

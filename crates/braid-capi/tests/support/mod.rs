@@ -11,6 +11,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
+#[allow(unused_imports)] // each test target uses its own part
+pub use braid_testkit::process::show;
+#[allow(unused_imports)] // each test target uses its own part
+pub use braid_testkit::tools::{have, require, tools_required, unavailable};
+
 /// The workspace root.
 pub fn workspace() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -185,16 +190,6 @@ pub fn artifacts() -> &'static (PathBuf, PathBuf) {
     })
 }
 
-/// Status and output, for assertion messages.
-pub fn show(o: &Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// `braid run -n N -- program args...` with `LD_LIBRARY_PATH` and `BRAID_LIBRARY` set to the built
 /// library, a bounded timeout, and `env` on top.
 pub fn braid_run(n: usize, program: &[&str], env: &[(&str, &str)]) -> Output {
@@ -210,38 +205,4 @@ pub fn braid_run(n: usize, program: &[&str], env: &[(&str, &str)]) -> Output {
         cmd.env(k, v);
     }
     cmd.output().expect("running braid run")
-}
-
-/// Whether `program --version` runs.
-pub fn have(program: &str) -> bool {
-    Command::new(program)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-/// Whether `BRAID_REQUIRE_TOOLS=1` is set: then a test that cannot run here fails instead of passing
-/// without running.
-pub fn tools_required() -> bool {
-    std::env::var("BRAID_REQUIRE_TOOLS").is_ok_and(|v| v == "1")
-}
-
-/// A test that cannot run here because of `why` (a missing tool): says so and returns, so the test
-/// passes without running; under `BRAID_REQUIRE_TOOLS=1` it fails, naming `why`.
-pub fn unavailable(why: &str) {
-    assert!(
-        !tools_required(),
-        "cannot run here, and BRAID_REQUIRE_TOOLS=1 requires it to: {why}"
-    );
-    println!("SKIPPED: cannot run here: {why}");
-}
-
-/// Whether `program` runs here; where it does not, [`unavailable`] says (or fails) that it is
-/// missing and what `for_what` needs it.
-pub fn require(program: &str, for_what: &str) -> bool {
-    if have(program) {
-        return true;
-    }
-    unavailable(&format!("{program} is not installed; {for_what} need it"));
-    false
 }

@@ -12,6 +12,10 @@ use std::process::{Command, Output};
 
 use libtest_mimic::{Arguments, Completion, Failed, Trial};
 
+#[allow(unused_imports)] // each test target uses its own part
+pub use braid_testkit::process::show;
+pub use braid_testkit::tools::{required_but_unavailable, tools_required};
+
 /// The `braid` binary under test.
 pub fn braid() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_braid"))
@@ -51,16 +55,6 @@ pub fn pretend_hosts_from_env() {
     }
 }
 
-/// A finished process's status and output, for assertion messages.
-pub fn show(o: &Output) -> String {
-    format!(
-        "status {:?}\nstdout:\n{}\nstderr:\n{}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
 /// `braid run -n N -- <this harness> args...` with extra environment.
 pub fn braid_run(n: usize, args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(braid());
@@ -82,17 +76,11 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-/// Whether `BRAID_REQUIRE_TOOLS=1` is set: then a case that cannot run here fails instead of being
-/// reported as ignored.
-pub fn tools_required() -> bool {
-    std::env::var("BRAID_REQUIRE_TOOLS").is_ok_and(|v| v == "1")
-}
-
 /// The outcome of a case that cannot run here because of `why` (a missing tool or privilege): ignored,
 /// shown as `ignored (cannot run here: why)`, or a failure naming `why` under `BRAID_REQUIRE_TOOLS=1`.
 pub fn unavailable(why: &str) -> Result<Completion, Failed> {
     if tools_required() {
-        Err(format!("cannot run here, and BRAID_REQUIRE_TOOLS=1 requires it to: {why}").into())
+        Err(required_but_unavailable(why).into())
     } else {
         Ok(Completion::ignored_with(format!("cannot run here: {why}")))
     }

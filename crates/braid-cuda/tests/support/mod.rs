@@ -7,24 +7,12 @@ pub mod cases;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+#[allow(unused_imports)] // each test target uses its own part
+pub use braid_testkit::tools::{tools_required, unavailable};
+
 /// The repository's `kernels/` directory.
 pub fn kernels_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kernels")
-}
-
-/// Whether `BRAID_REQUIRE_TOOLS=1` is set.
-pub fn tools_required() -> bool {
-    std::env::var("BRAID_REQUIRE_TOOLS").is_ok_and(|v| v == "1")
-}
-
-/// A test that cannot run here because of `why`: says so and returns (the test passes without running);
-/// under `BRAID_REQUIRE_TOOLS=1` it fails, naming `why`.
-pub fn unavailable(why: &str) {
-    assert!(
-        !tools_required(),
-        "cannot run here, and BRAID_REQUIRE_TOOLS=1 requires it to: {why}"
-    );
-    println!("SKIPPED: cannot run here: {why}");
 }
 
 /// Directories that may hold the CUDA tools: `BRAID_CUDA_BIN`, then `PATH` (by returning nothing

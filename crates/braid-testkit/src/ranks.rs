@@ -1,6 +1,5 @@
-//! What the communicator tests share: ranks as threads of this process, each with its own
-//! communicator, and a configuration with a short timeout.
-#![allow(dead_code)] // each test target uses its own part
+//! Ranks as threads of this process, each with its own communicator, and a configuration with a
+//! short timeout.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,7 +1,6 @@
 //! The compressed all-reduce checks every rank runs, shared by the in-process tests (ranks as threads)
 //! and the multi-process harness of `braid-cli`. Each function is called on every rank of a communicator
 //! and panics with a message naming the case when a check fails; it returns the number of checks made.
-#![allow(dead_code)]
 
 use braid::braid_compress::{
     k_for_density, l2_norm, top_k, Codec, Compressed, ErrorFeedback, Payload, ThresholdTopK, TopK,
@@ -21,29 +20,17 @@ pub fn with_ranks<R: Send + 'static>(
     with_ranks_checked(n, true, f)
 }
 
-/// [`with_ranks`] with debug checks on or off.
+/// [`with_ranks`] with debug checks on or off (a timeout of a minute).
 pub fn with_ranks_checked<R: Send + 'static>(
     n: usize,
     debug_checks: bool,
     f: impl Fn(Communicator) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    let id = braid::UniqueId::new().unwrap();
     let cfg = braid::Config {
-        timeout: std::time::Duration::from_secs(60),
         debug_checks,
-        ..braid::Config::default()
+        ..crate::ranks::config(60_000)
     };
-    let f = std::sync::Arc::new(f);
-    let handles: Vec<_> = (0..n)
-        .map(|r| {
-            let (id, cfg, f) = (id.clone(), cfg.clone(), f.clone());
-            std::thread::spawn(move || f(Communicator::init(n, r, &id, cfg).expect("init")))
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread"))
-        .collect()
+    crate::ranks::with_ranks(n, cfg, f)
 }
 
 /// Elements per tensor: odd, and not a multiple of any block size used below.
