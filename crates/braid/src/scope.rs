@@ -441,7 +441,7 @@ impl<'scope, 'env> Scope<'scope, 'env> {
 
     fn start(&'scope self, stream: usize, op: Call) -> Result<ScopedWork<'scope>, Error> {
         let inner = &self.comm.inner;
-        let task = Task::new(op, Some(Box::new(())));
+        let task = inner.streams.task(op, Some(Box::new(())));
         inner.streams.submit(task.clone(), stream)?;
         self.tasks.lock().push(task.clone());
         Ok(ScopedWork {

@@ -72,19 +72,22 @@ pub(crate) struct Task {
     done: Condvar,
     keep: Mutex<Option<Box<dyn Any + Send>>>,
     callback: Mutex<Option<Callback>>,
-    /// When it was issued (the host's monotonic clock), for the timeline's `queued` phase.
+    /// When it was issued (the host's monotonic clock), for the timeline's `queued` phase; 0 when
+    /// there is no timeline (the clock is then not read).
     pub(crate) issued_ns: u64,
 }
 
 impl Task {
-    pub(crate) fn new(op: Call, keep: Option<Box<dyn Any + Send>>) -> Arc<Task> {
+    /// A task of `op`, issued at `issued_ns` ([`crate::timeline::now_ns`], or 0 without a timeline;
+    /// [`Streams::task`] chooses).
+    pub(crate) fn new(op: Call, keep: Option<Box<dyn Any + Send>>, issued_ns: u64) -> Arc<Task> {
         Arc::new(Task {
             op,
             result: Mutex::new(None),
             done: Condvar::new(),
             keep: Mutex::new(keep),
             callback: Mutex::new(None),
-            issued_ns: crate::timeline::now_ns(),
+            issued_ns,
         })
     }
 
@@ -252,6 +255,8 @@ impl Sched {
 /// The streams of one communicator and their progress engine.
 pub(crate) struct Streams {
     rank: usize,
+    /// Whether the communicator writes a timeline (tasks are then stamped when issued).
+    timeline: bool,
     /// Number of streams.
     count: usize,
     /// Set once `sticky` holds an error (read without the lock on the hot path).
@@ -302,6 +307,17 @@ impl Drop for Turn<'_> {
 const NAP: Duration = Duration::from_micros(500);
 
 impl Streams {
+    /// A task of `op` to submit here, stamped with its issue time only when there is a timeline to
+    /// show its `queued` phase (an asynchronous call reads no clock otherwise).
+    pub(crate) fn task(&self, op: Call, keep: Option<Box<dyn Any + Send>>) -> Arc<Task> {
+        let issued_ns = if self.timeline {
+            crate::timeline::now_ns()
+        } else {
+            0
+        };
+        Task::new(op, keep, issued_ns)
+    }
+
     pub(crate) fn new(
         rank: usize,
         exec: Dispatcher,
@@ -313,6 +329,7 @@ impl Streams {
         let streams = streams.max(1);
         Streams {
             rank,
+            timeline: exec.timeline.is_some(),
             count: streams,
             poisoned: AtomicBool::new(false),
             abort_flag,
@@ -522,7 +539,7 @@ impl Streams {
                 return r;
             }
         }
-        let task = Task::new(op, None);
+        let task = self.task(op, None);
         self.push(stream, Item::Call(task.clone()));
         let deadline = Instant::now() + self.limit;
         let mut callbacks = Vec::new();

@@ -576,6 +576,13 @@ fn the_timeline_shows_bucket_all_reduces_on_their_stream_and_the_callers_spans()
         assert_eq!(reduce["args"]["result"], "ok");
         // The buckets live in shared memory: their all-reduces run straight through it.
         assert_eq!(reduce["args"]["algo"], "shared", "rank {r}");
+        // Each bucket's all-reduce is issued asynchronously, so its wait in the stream's queue is
+        // shown as a `queued` phase on that stream (the issue time is stamped with a timeline on).
+        let queued = complete
+            .iter()
+            .filter(|e| e["name"] == "queued" && e["tid"].as_u64() == Some(stream as u64))
+            .count();
+        assert!(queued >= 8, "rank {r}: {queued} queued phases: {text}");
     }
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -230,7 +230,7 @@ impl Communicator {
         keep: Box<R>,
     ) -> Result<Work<R>, Error> {
         let inner = &self.inner;
-        let task = Task::new(op, Some(keep));
+        let task = inner.streams.task(op, Some(keep));
         inner.streams.submit(task.clone(), stream)?;
         Ok(Work::new(
             task,
@@ -291,7 +291,7 @@ impl Communicator {
 
     /// A work handle that already holds `e` (a submission that could not be queued).
     fn failed_work<R: Send + 'static>(&self, e: Error) -> Work<R> {
-        let task = Task::new(Call::barrier(), None);
+        let task = Task::new(Call::barrier(), None, 0);
         task.fail_now(e);
         Work::new(task, self.inner.rank, Duration::ZERO, None)
     }
