@@ -97,48 +97,6 @@ pub struct Config {
     /// Rank 0 writes the topology in use to this file, in the `BRAID_TOPO_FILE` format
     /// (`BRAID_TOPO_DUMP_FILE`).
     pub topo_dump_file: Option<std::path::PathBuf>,
-    /// The RDMA transport's settings (`BRAID_IB_*`).
-    pub ib: IbConfig,
-}
-
-/// Settings of the RDMA transport (`BRAID_IB_*`), read whether or not it is built.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct IbConfig {
-    /// Devices and ports it may use, in NCCL's syntax: `mlx5_0:1,mlx5_1` (name prefixes, optional
-    /// port), `=name` for exact names, a leading `^` to exclude (`BRAID_IB_HCA`; default: all).
-    pub hca: Option<String>,
-    /// Queue pairs per peer; messages of more than 64 KiB are striped over them
-    /// (`BRAID_IB_QPS_PER_PEER`, default 1, at most 16).
-    pub qps_per_peer: usize,
-    /// GID index (`BRAID_IB_GID_INDEX`; default: RoCE v2 over IPv4, else RoCE v2, else the first).
-    pub gid_index: Option<u32>,
-    /// Traffic class of its packets, for the ECN/PFC classes RoCE fabrics configure (`BRAID_IB_TC`,
-    /// default 0).
-    pub traffic_class: u8,
-    /// ACK timeout exponent: 4.096 µs × 2^n per try (`BRAID_IB_TIMEOUT`, default 14, 1 to 31).
-    pub timeout: u8,
-    /// Transport retries before a queue pair fails (`BRAID_IB_RETRY_CNT`, default 7, at most 7).
-    pub retry_cnt: u8,
-    /// Path MTU in bytes, 256 to 4096 (`BRAID_IB_MTU`; default: the ports' active MTU).
-    pub mtu: Option<u32>,
-    /// Fault injection for tests: this rank's data writes carry a wrong remote key, so the peer's
-    /// device refuses them (`BRAID_IB_TEST_BAD_RKEY=<rank>`).
-    pub test_bad_rkey_rank: Option<usize>,
-}
-
-impl Default for IbConfig {
-    fn default() -> Self {
-        IbConfig {
-            hca: None,
-            qps_per_peer: 1,
-            gid_index: None,
-            traffic_class: 0,
-            timeout: 14,
-            retry_cnt: 7,
-            mtu: None,
-            test_bad_rkey_rank: None,
-        }
-    }
 }
 
 impl Default for Config {
@@ -165,7 +123,6 @@ impl Default for Config {
             topo_file: None,
             topo_probe: false,
             topo_dump_file: None,
-            ib: IbConfig::default(),
         }
     }
 }
@@ -181,9 +138,11 @@ pub fn parse_bool(name: &str, value: &str) -> Result<bool, Error> {
     }
 }
 
-/// The range of one numeric setting: its environment variable's parser and [`Config::check`] (for a
-/// `Config` built in code) both apply it, so the two cannot disagree.
-struct Limit {
+/// The range of one numeric setting: its environment variable's parser and the check of a value set
+/// in code ([`Config::check`], and the transports' own settings) both apply it, so the two cannot
+/// disagree.
+#[derive(Clone, Copy, Debug)]
+pub struct Limit {
     /// The environment variable.
     var: &'static str,
     /// The `Config` field, as a user writes it.
@@ -193,8 +152,33 @@ struct Limit {
 }
 
 impl Limit {
+    /// The limit of variable `var`, set in code as `field`, to `min..=max`.
+    pub const fn new(var: &'static str, field: &'static str, min: u64, max: u64) -> Limit {
+        Limit {
+            var,
+            field,
+            min,
+            max,
+        }
+    }
+
+    /// The environment variable.
+    pub fn var(&self) -> &'static str {
+        self.var
+    }
+
+    /// The smallest value allowed.
+    pub fn min(&self) -> u64 {
+        self.min
+    }
+
+    /// The largest value allowed.
+    pub fn max(&self) -> u64 {
+        self.max
+    }
+
     /// The variable's `value`, parsed and in range.
-    fn parse(&self, value: &str) -> Result<u64, Error> {
+    pub fn parse(&self, value: &str) -> Result<u64, Error> {
         let v: u64 = value.trim().parse().map_err(|_| {
             Error::invalid(format!(
                 "{}={value:?} is not a non-negative integer",
@@ -216,7 +200,7 @@ impl Limit {
     }
 
     /// Whether the field's value `v` is in range.
-    fn check(&self, v: u64) -> Result<(), Error> {
+    pub fn check(&self, v: u64) -> Result<(), Error> {
         if !self.contains(u128::from(v)) {
             return Err(Error::invalid(format!(
                 "config: {} = {v} is out of range {}..={} (the range of {})",
@@ -228,12 +212,7 @@ impl Limit {
 }
 
 const fn limit(var: &'static str, field: &'static str, min: u64, max: u64) -> Limit {
-    Limit {
-        var,
-        field,
-        min,
-        max,
-    }
+    Limit::new(var, field, min, max)
 }
 
 const TIMEOUT_MS: Limit = limit("BRAID_TIMEOUT_MS", "timeout (in ms)", 1, 86_400_000);
@@ -245,24 +224,6 @@ const SPIN_US: Limit = limit("BRAID_SPIN_US", "spin_us", 0, 10_000_000);
 const DIRECT_MAX_BYTES: Limit = limit("BRAID_DIRECT_MAX_BYTES", "direct_max_bytes", 0, 64 << 20);
 const BUCKET_BYTES: Limit = limit("BRAID_BUCKET_BYTES", "bucket_bytes", 1, 1 << 40);
 const SOCKETS_PER_PEER: Limit = limit("BRAID_SOCKETS_PER_PEER", "sockets_per_peer", 1, 16);
-const IB_QPS_PER_PEER: Limit = limit("BRAID_IB_QPS_PER_PEER", "ib.qps_per_peer", 1, 16);
-const IB_GID_INDEX: Limit = limit("BRAID_IB_GID_INDEX", "ib.gid_index", 0, 255);
-const IB_TC: Limit = limit("BRAID_IB_TC", "ib.traffic_class", 0, 255);
-const IB_TIMEOUT: Limit = limit("BRAID_IB_TIMEOUT", "ib.timeout", 1, 31);
-const IB_RETRY_CNT: Limit = limit("BRAID_IB_RETRY_CNT", "ib.retry_cnt", 0, 7);
-const IB_MTU: Limit = limit("BRAID_IB_MTU", "ib.mtu", 256, 4096);
-const IB_TEST_BAD_RKEY: Limit = limit(
-    "BRAID_IB_TEST_BAD_RKEY",
-    "ib.test_bad_rkey_rank",
-    0,
-    u32::MAX as u64,
-);
-
-/// Why `mtu` is not an MTU the verbs API names (`None`: it is one).
-fn mtu_refused(mtu: u32) -> Option<String> {
-    (!mtu.is_power_of_two()).then(|| format!("{mtu} is not 256, 512, 1024, 2048 or 4096"))
-}
-
 impl Config {
     /// Every environment variable [`Config::from_env`] reads. [`Config::from_lookup`] asks for nothing
     /// else (a name missing here fails its debug assertion, and a unit test checks that it asks for
@@ -289,14 +250,6 @@ impl Config {
         "BRAID_TOPO_FILE",
         "BRAID_TOPO_PROBE",
         "BRAID_TOPO_DUMP_FILE",
-        "BRAID_IB_HCA",
-        "BRAID_IB_QPS_PER_PEER",
-        "BRAID_IB_GID_INDEX",
-        "BRAID_IB_TC",
-        "BRAID_IB_TIMEOUT",
-        "BRAID_IB_RETRY_CNT",
-        "BRAID_IB_MTU",
-        "BRAID_IB_TEST_BAD_RKEY",
         "BRAID_DEBUG",
     ];
 
@@ -335,23 +288,6 @@ impl Config {
         DIRECT_MAX_BYTES.check(self.direct_max_bytes as u64)?;
         BUCKET_BYTES.check(self.bucket_bytes as u64)?;
         SOCKETS_PER_PEER.check(self.sockets_per_peer as u64)?;
-        let ib = &self.ib;
-        IB_QPS_PER_PEER.check(ib.qps_per_peer as u64)?;
-        if let Some(g) = ib.gid_index {
-            IB_GID_INDEX.check(u64::from(g))?;
-        }
-        IB_TC.check(u64::from(ib.traffic_class))?;
-        IB_TIMEOUT.check(u64::from(ib.timeout))?;
-        IB_RETRY_CNT.check(u64::from(ib.retry_cnt))?;
-        if let Some(m) = ib.mtu {
-            IB_MTU.check(u64::from(m))?;
-            if let Some(why) = mtu_refused(m) {
-                return Err(Error::invalid(format!("config: ib.mtu = {why}")));
-            }
-        }
-        if let Some(r) = ib.test_bad_rkey_rank {
-            IB_TEST_BAD_RKEY.check(r as u64)?;
-        }
         Ok(())
     }
 
@@ -435,34 +371,6 @@ impl Config {
         if let Some(v) = lookup("BRAID_TOPO_DUMP_FILE") {
             c.topo_dump_file =
                 Some(std::path::PathBuf::from(v)).filter(|p| !p.as_os_str().is_empty());
-        }
-        if let Some(v) = lookup("BRAID_IB_HCA") {
-            c.ib.hca = Some(v.trim().to_string()).filter(|v| !v.is_empty());
-        }
-        if let Some(v) = lookup("BRAID_IB_QPS_PER_PEER") {
-            c.ib.qps_per_peer = IB_QPS_PER_PEER.parse(&v)? as usize;
-        }
-        if let Some(v) = lookup("BRAID_IB_GID_INDEX") {
-            c.ib.gid_index = Some(IB_GID_INDEX.parse(&v)? as u32);
-        }
-        if let Some(v) = lookup("BRAID_IB_TC") {
-            c.ib.traffic_class = IB_TC.parse(&v)? as u8;
-        }
-        if let Some(v) = lookup("BRAID_IB_TIMEOUT") {
-            c.ib.timeout = IB_TIMEOUT.parse(&v)? as u8;
-        }
-        if let Some(v) = lookup("BRAID_IB_RETRY_CNT") {
-            c.ib.retry_cnt = IB_RETRY_CNT.parse(&v)? as u8;
-        }
-        if let Some(v) = lookup("BRAID_IB_MTU") {
-            let m = IB_MTU.parse(&v)? as u32;
-            if let Some(why) = mtu_refused(m) {
-                return Err(Error::invalid(format!("BRAID_IB_MTU={why}")));
-            }
-            c.ib.mtu = Some(m);
-        }
-        if let Some(v) = lookup("BRAID_IB_TEST_BAD_RKEY") {
-            c.ib.test_bad_rkey_rank = Some(IB_TEST_BAD_RKEY.parse(&v)? as usize);
         }
         if let Some(v) = lookup("BRAID_DEBUG") {
             c.debug = match v.trim().to_ascii_lowercase().as_str() {
@@ -580,13 +488,6 @@ mod tests {
                 &DIRECT_MAX_BYTES,
                 &BUCKET_BYTES,
                 &SOCKETS_PER_PEER,
-                &IB_QPS_PER_PEER,
-                &IB_GID_INDEX,
-                &IB_TC,
-                &IB_TIMEOUT,
-                &IB_RETRY_CNT,
-                &IB_MTU,
-                &IB_TEST_BAD_RKEY,
             ]
             .into_iter()
             .map(|l| (l.var, value(l).to_string()))
@@ -598,11 +499,6 @@ mod tests {
         }
         // Each field out of its range is refused, naming the field and the variable.
         let d = Config::default;
-        let ib = |f: fn(&mut IbConfig)| {
-            let mut c = d();
-            f(&mut c.ib);
-            c
-        };
         for (c, field, var) in [
             (
                 Config {
@@ -673,28 +569,6 @@ mod tests {
                 "sockets_per_peer",
                 "BRAID_SOCKETS_PER_PEER",
             ),
-            (
-                ib(|i| i.qps_per_peer = 17),
-                "ib.qps_per_peer",
-                "BRAID_IB_QPS_PER_PEER",
-            ),
-            (
-                ib(|i| i.gid_index = Some(256)),
-                "ib.gid_index",
-                "BRAID_IB_GID_INDEX",
-            ),
-            (ib(|i| i.timeout = 0), "ib.timeout", "BRAID_IB_TIMEOUT"),
-            (
-                ib(|i| i.retry_cnt = 8),
-                "ib.retry_cnt",
-                "BRAID_IB_RETRY_CNT",
-            ),
-            (ib(|i| i.mtu = Some(8192)), "ib.mtu", "BRAID_IB_MTU"),
-            (
-                ib(|i| i.test_bad_rkey_rank = Some(usize::MAX)),
-                "ib.test_bad_rkey_rank",
-                "BRAID_IB_TEST_BAD_RKEY",
-            ),
         ] {
             let e = c.check().unwrap_err();
             assert!(e.is_invalid_argument(), "{e:?}");
@@ -702,10 +576,7 @@ mod tests {
             assert!(text.contains(field) && text.contains(var), "{text}");
         }
         // Within range but not a power of two.
-        for (c, field, value) in [
-            (Config { slots: 3, ..d() }, "slots", "3 slots"),
-            (ib(|i| i.mtu = Some(1000)), "ib.mtu", "1000 is not"),
-        ] {
+        for (c, field, value) in [(Config { slots: 3, ..d() }, "slots", "3 slots")] {
             let e = c.check().unwrap_err();
             assert!(e.is_invalid_argument(), "{e:?}");
             let text = e.to_string();

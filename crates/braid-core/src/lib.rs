@@ -21,6 +21,6 @@ mod error;
 pub mod exact;
 pub mod reduce;
 
-pub use config::{parse_bool, Config, DebugLevel, IbConfig};
+pub use config::{parse_bool, Config, DebugLevel, Limit};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};

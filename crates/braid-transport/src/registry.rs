@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use braid_core::{Config, Error};
 
 use crate::plugin::{Geometry, Transport};
+use crate::rdma::IbOptions;
 
 /// Every transport braid knows, in the order `auto` prefers them: shared memory inside a host, RDMA
 /// between hosts where a usable device exists, TCP otherwise.
@@ -61,11 +62,11 @@ fn is_auto(setting: &str) -> bool {
 #[cfg(feature = "rdma")]
 fn rdma(
     config: &Config,
+    opts: &IbOptions,
     root: SocketAddr,
     auto: bool,
 ) -> Result<Option<Box<dyn Transport>>, Error> {
-    let opts = crate::rdma::IbOptions::from_config(config)?;
-    if let Err(why) = crate::rdma::usable(&opts) {
+    if let Err(why) = crate::rdma::usable(opts) {
         if auto {
             tracing::debug!("rdma is not offered: {why}");
             return Ok(None);
@@ -76,12 +77,13 @@ fn rdma(
         )));
     }
     let ip = crate::tcp::choose_ip(config.socket_ifname.as_deref(), root)?;
-    Ok(Some(Box::new(crate::rdma::Rdma::new(opts, ip))))
+    Ok(Some(Box::new(crate::rdma::Rdma::new(opts.clone(), ip))))
 }
 
 #[cfg(not(feature = "rdma"))]
 fn rdma(
     config: &Config,
+    _opts: &IbOptions,
     _root: SocketAddr,
     auto: bool,
 ) -> Result<Option<Box<dyn Transport>>, Error> {
@@ -127,13 +129,16 @@ pub fn transports(
 ) -> Result<TransportChoice, Error> {
     let auto = is_auto(&config.transport);
     let wanted = names(&config.transport)?;
+    // The RDMA transport's own settings, checked in every build (a bad value is an error whether or
+    // not the transport is built or chosen), before anything is set up.
+    let ib = IbOptions::from_env()?;
     let mut transports: Vec<Box<dyn Transport>> = Vec::new();
     if world > 1 {
         for name in wanted {
             match name {
                 "shm" => transports.push(Box::new(crate::shm::Shm::new("/dev/shm"))),
                 "rdma" => {
-                    if let Some(t) = rdma(config, root, auto)? {
+                    if let Some(t) = rdma(config, &ib, root, auto)? {
                         transports.push(t);
                     }
                 }

@@ -29,6 +29,7 @@
 
 #[cfg(feature = "rdma")]
 mod link;
+mod options;
 #[cfg(feature = "rdma")]
 mod setup;
 #[cfg(feature = "rdma")]
@@ -37,5 +38,6 @@ pub mod wire;
 
 #[cfg(feature = "rdma")]
 pub use link::RdmaLink;
+pub use options::IbOptions;
 #[cfg(feature = "rdma")]
-pub use setup::{choose_port, survey, usable, IbOptions, PortChoice, Rdma};
+pub use setup::{choose_port, survey, usable, PortChoice, Rdma};

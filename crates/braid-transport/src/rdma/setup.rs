@@ -7,55 +7,17 @@ use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use braid_core::{Config, Error};
+use braid_core::Error;
 use tracing::{debug, warn};
 
+use super::options::IbOptions;
 use super::verbs::{Channel, Context, Cq, Init, Mr, PathOpts, Pd, Qp, QpCaps, Remote};
-use super::wire::{Connect, HcaFilter, RdmaEndpoint};
+use super::wire::{Connect, RdmaEndpoint};
 use super::RdmaLink;
 use crate::greet::{Greeted, Greeter};
 use crate::link::Link;
 use crate::plugin::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};
 use crate::tcp::same_secret;
-
-/// What the `BRAID_IB_*` variables say.
-#[derive(Clone, Debug)]
-pub struct IbOptions {
-    /// Which devices and ports may be used (`BRAID_IB_HCA`).
-    pub hca: HcaFilter,
-    /// Queue pairs per peer; large messages are striped over them (`BRAID_IB_QPS_PER_PEER`).
-    pub qps_per_peer: usize,
-    /// GID index; `None` picks RoCE v2 over IPv4, then RoCE v2, then the first (`BRAID_IB_GID_INDEX`).
-    pub gid_index: Option<u32>,
-    /// Traffic class of RoCE packets (`BRAID_IB_TC`).
-    pub traffic_class: u8,
-    /// ACK timeout exponent, 4.096 µs × 2^n (`BRAID_IB_TIMEOUT`).
-    pub timeout: u8,
-    /// Transport retries (`BRAID_IB_RETRY_CNT`).
-    pub retry_cnt: u8,
-    /// Path MTU in bytes, at most the ports' (`BRAID_IB_MTU`); `None`: the ports' active MTU.
-    pub mtu: Option<u32>,
-    /// Fault injection for tests: this rank's data writes use a wrong remote key
-    /// (`BRAID_IB_TEST_BAD_RKEY=<rank>`).
-    pub bad_rkey_rank: Option<usize>,
-}
-
-impl IbOptions {
-    /// The options `config` holds.
-    pub fn from_config(config: &Config) -> Result<IbOptions, Error> {
-        let ib = &config.ib;
-        Ok(IbOptions {
-            hca: HcaFilter::parse(ib.hca.as_deref().unwrap_or(""))?,
-            qps_per_peer: ib.qps_per_peer.clamp(1, super::wire::MAX_QPS),
-            gid_index: ib.gid_index,
-            traffic_class: ib.traffic_class,
-            timeout: ib.timeout,
-            retry_cnt: ib.retry_cnt,
-            mtu: ib.mtu,
-            bad_rkey_rank: ib.test_bad_rkey_rank,
-        })
-    }
-}
 
 /// One usable port of one device, with the GID to use.
 #[derive(Clone, Debug, PartialEq, Eq)]
