@@ -576,11 +576,9 @@ mod tests {
             assert!(text.contains(field) && text.contains(var), "{text}");
         }
         // Within range but not a power of two.
-        for (c, field, value) in [(Config { slots: 3, ..d() }, "slots", "3 slots")] {
-            let e = c.check().unwrap_err();
-            assert!(e.is_invalid_argument(), "{e:?}");
-            let text = e.to_string();
-            assert!(text.contains(field) && text.contains(value), "{text}");
-        }
+        let e = Config { slots: 3, ..d() }.check().unwrap_err();
+        assert!(e.is_invalid_argument(), "{e:?}");
+        let text = e.to_string();
+        assert!(text.contains("slots") && text.contains("3 slots"), "{text}");
     }
 }
