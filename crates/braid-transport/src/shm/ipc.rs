@@ -31,7 +31,9 @@ use std::time::{Duration, Instant};
 
 use braid_core::Error;
 
-use super::{sweep_stale, DevicePlane, Layout, Segment, ShmLink};
+use super::layout::Layout;
+use super::link::{DevicePlane, ShmLink};
+use super::segment::{sweep_stale, Segment};
 use crate::device::{
     recv_msg, send_msg, DeviceAllocation, DeviceMemory, Shareable, MAX_HANDLE_BYTES,
 };

@@ -4,17 +4,22 @@
 //! hostile offers refused with an error naming the peer.
 
 use super::ipc::{decode_offer, encode_offer, Ipc, KIND_FD, KIND_HANDLE, NAME, OFFER_BYTES};
+use super::layout::{CACHE_LINE, CTRL, HEADER};
 use super::tests::rand_tag;
 use super::*;
 use crate::device::{recv_msg, send_msg, DeviceMemory, EmulatedDevice, Shareable};
-use crate::link::{Link, RecvSlot};
-use crate::memory::MemKind;
+use crate::link::{Event, Link, RecvSlot};
+use crate::memory::{MemKind, Span};
 use crate::plugin::{Endpoint, Geometry, Peer, SetupCtx, Transport};
+use crate::wait::{WaitCtx, WaitPolicy};
+use braid_core::Error;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How a test's emulated device shares its memory.

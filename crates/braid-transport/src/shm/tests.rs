@@ -1,6 +1,10 @@
+use super::layout::H_PID;
 use super::*;
-use crate::link::{recv_with, send_bytes};
-use std::sync::atomic::AtomicBool;
+use crate::link::{recv_with, send_bytes, Event, Link, RecvSlot};
+use crate::wait::{WaitCtx, WaitPolicy};
+use braid_core::Error;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 fn world(n: usize, slots: usize, slot_bytes: usize) -> Vec<ShmLink> {

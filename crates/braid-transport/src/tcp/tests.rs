@@ -1,11 +1,15 @@
 //! The TCP transport between threads of one process, over loopback.
 
+use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpStream};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+
+use braid_core::Error;
 
 use super::*;
 use crate::link::{recv_with, send_bytes};
+use crate::{WaitCtx, WaitPolicy};
 
 const SECRET: [u8; 16] = [9; 16];
 
