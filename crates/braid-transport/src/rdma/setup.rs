@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 use braid_core::Error;
 use tracing::{debug, warn};
 
+use super::link::RdmaLink;
 use super::options::IbOptions;
 use super::verbs::{Channel, Context, Cq, Init, Mr, PathOpts, Pd, Qp, QpCaps, Remote};
 use super::wire::{Connect, RdmaEndpoint};
-use super::RdmaLink;
 use crate::greet::{Greeted, Greeter};
 use crate::link::Link;
 use crate::plugin::{Connected, Peer, Prepared, Scope, SetupCtx, Transport};

@@ -13,6 +13,7 @@ use crate::memory::{MemKind, Span};
 use crate::plugin::{Endpoint, Geometry, Peer, SetupCtx, Transport};
 use crate::wait::{WaitCtx, WaitPolicy};
 use braid_core::Error;
+use braid_testkit::process::{hex, read_marked, unhex};
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
@@ -593,32 +594,5 @@ fn child_peer(blob: Vec<u8>) -> Peer {
             transport: NAME.into(),
             blob,
         }],
-    }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Vec<u8> {
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap())
-        .collect()
-}
-
-/// The rest of the first line read from `input` that holds `marker` (the test harness may print before
-/// it on the same line), trimmed; a panic when the input ends first.
-fn read_marked(input: &mut impl std::io::BufRead, marker: &str) -> String {
-    let mut line = String::new();
-    loop {
-        line.clear();
-        assert!(
-            input.read_line(&mut line).unwrap() > 0,
-            "the other process ended before it sent {marker:?}"
-        );
-        if let Some(at) = line.find(marker) {
-            return line[at + marker.len()..].trim().to_string();
-        }
     }
 }
