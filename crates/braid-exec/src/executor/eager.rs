@@ -15,33 +15,14 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use braid_core::Error;
-use braid_sched::{Action, Buf};
+use braid_sched::Action;
 use braid_transport::{Event, Link, RecvSlot, WaitCtx};
 
+use super::plan::Plan;
+use super::run::Op;
+use super::state::Executor;
 use super::step::{accept, check_len, view, DIRECT_MIN_BYTES};
-use super::{Executor, Op, Plan};
 use crate::engine::{Engine, Kernel, Operand};
-
-/// Whether `actions` are one eager round: sends of one range of the input, then the reduction of
-/// that range from every rank.
-pub(super) fn is_eager(actions: &[Action]) -> bool {
-    let Some((
-        Action::RecvReduceAll {
-            input: range,
-            output,
-            ..
-        },
-        sends,
-    )) = actions.split_last()
-    else {
-        return false;
-    };
-    !sends.is_empty()
-        && output.len() == range.len()
-        && sends
-            .iter()
-            .all(|a| matches!(a, Action::Send { buf: Buf::Input, range: r, .. } if r == range))
-}
 
 impl<E: Engine + ?Sized> Executor<E> {
     /// Whether `op` with `plan` can take the eager path.

@@ -14,260 +14,29 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use braid_core::{DType, Error, ReduceOp};
-use braid_sched::{Action, Algo, Collective, PlanSpec};
-use braid_transport::{Event, Link, RecvSlot, SendSlot, Span};
+use braid_core::{DType, Error};
+use braid_sched::{Algo, Collective, PlanSpec};
+use braid_transport::{Event, Link};
 
-use crate::engine::{Engine, Operand, Scratch, Ticket};
+use crate::engine::{Engine, Scratch};
 
 mod eager;
+mod plan;
+mod run;
+mod state;
 mod step;
-use crate::fingerprint::Fingerprint;
+pub use plan::Plan;
+use plan::PlanKey;
+use run::Phase;
+pub use run::{Op, Progress, Run, Wait};
+use state::Cx;
+pub use state::{Executor, Settings};
 use step::{flush, local_step, run_ctx};
-
-/// One collective call: what to run and on which memory. `count` is in the collective's NCCL
-/// convention (all-reduce: elements per buffer; reduce-scatter: output elements; all-gather: input
-/// elements; all-to-all: elements per peer).
-#[derive(Clone, Copy, Debug)]
-pub struct Op {
-    /// The collective.
-    pub collective: Collective,
-    /// The root rank of broadcast and reduce (0 for the others).
-    pub root: usize,
-    /// Element type.
-    pub dtype: DType,
-    /// Reduction (ignored by collectives that do not reduce).
-    pub redop: ReduceOp,
-    /// Element count.
-    pub count: usize,
-    /// The input. In place it is the output itself, or (all-gather) this rank's block of it.
-    pub send: Span,
-    /// The output.
-    pub recv: Span,
-}
-
-impl Op {
-    /// The op as a fingerprint other ranks compare with theirs.
-    pub fn fingerprint(&self, seq: u64) -> Fingerprint {
-        Fingerprint {
-            kind: self.collective.index() as u8,
-            dtype: self.dtype as u8,
-            redop: self.redop as u8,
-            root: self.root as u32,
-            seq,
-            count: self.count as u64,
-        }
-    }
-}
-
-/// What a run waits for when a poll cannot go further.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Wait {
-    /// An event on the link: data from `peer` or a credit for a message to it, on `channel`.
-    Link {
-        /// The peer.
-        peer: usize,
-        /// The channel.
-        channel: usize,
-        /// Data or credit.
-        event: Event,
-    },
-    /// A kernel the engine queued.
-    Engine(Ticket),
-    /// A flag that `peer` raises in memory both map: runs over shared buffers, which the communicator
-    /// drives itself (this executor never returns it).
-    Flag {
-        /// The peer.
-        peer: usize,
-    },
-}
-
-/// Where a run stands after a poll.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Progress {
-    /// The run is complete: its output is final and every slot it used is back with its owner.
-    Done,
-    /// The run cannot go further until this happens.
-    Blocked(Wait),
-    /// The run used up the poll's step budget; it can go on at once.
-    Yielded,
-}
-
-/// The executor's fixed settings.
-#[derive(Clone, Copy, Debug)]
-pub struct Settings {
-    /// How long one collective may take before it fails with a timeout.
-    pub timeout: Duration,
-    /// Compare every op's fingerprint with every peer's first (`BRAID_DEBUG_CHECKS`).
-    pub debug_checks: bool,
-    /// Rings of a ring all-reduce (`BRAID_CHANNELS`).
-    pub rings: usize,
-}
-
-/// A rank's schedule for one op, as cached.
-#[derive(Debug)]
-pub struct Plan {
-    actions: Vec<Action>,
-    scratch: bool,
-    /// One eager round (`eager::is_eager`).
-    eager: bool,
-}
-
-impl Plan {
-    /// A plan of these actions.
-    pub fn new(actions: Vec<Action>) -> Plan {
-        let scratch = actions.iter().any(|a| matches!(a, Action::LoadAcc { .. }));
-        let eager = eager::is_eager(&actions);
-        Plan {
-            actions,
-            scratch,
-            eager,
-        }
-    }
-
-    /// The actions.
-    pub fn actions(&self) -> &[Action] {
-        &self.actions
-    }
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-struct PlanKey {
-    collective: Collective,
-    root: usize,
-    algo: Algo,
-    count: usize,
-    chunk: usize,
-}
 
 /// Plans kept; past this the least recently used goes (steady training loops use a handful).
 const PLAN_CACHE: usize = 32;
-
-/// A post or release that waits for a kernel.
-enum Deferred {
-    Post(SendSlot, usize),
-    Release(RecvSlot),
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Phase {
-    /// Exchanging fingerprints: `sent` and `recvd` peers so far.
-    Check { sent: usize, recvd: usize },
-    /// Walking the plan.
-    Plan,
-    /// Waiting for the engine to finish what the plan queued.
-    Drain,
-    /// Complete.
-    Done,
-}
-
-/// One op in flight on one rank.
-pub struct Run {
-    op: Op,
-    seq: u64,
-    tag: u32,
-    channel: usize,
-    /// `None` only while the executor walks it.
-    plan: Option<Arc<Plan>>,
-    phase: Phase,
-    pc: usize,
-    stage: u8,
-    rx: Vec<Option<RecvSlot>>,
-    tx: Option<SendSlot>,
-    scratch: Option<Scratch>,
-    pending: Option<Ticket>,
-    deferred: VecDeque<(Ticket, Deferred)>,
-    fingerprint: Option<Box<[u8; Fingerprint::LEN]>>,
-    /// The first fingerprint that disagreed (boxed: it is rare and an error is large).
-    mismatch: Option<Box<Error>>,
-    started: Instant,
-    deadline: Instant,
-    steps: u64,
-    /// Whether a send went straight from the caller's buffer ([`Link::post_from`]): the run ends only
-    /// once the link has stopped reading it.
-    sent_from_caller: bool,
-}
-
-impl Run {
-    /// The op.
-    pub fn op(&self) -> &Op {
-        &self.op
-    }
-
-    /// Its sequence number (its tag on the wire).
-    pub fn seq(&self) -> u64 {
-        self.seq
-    }
-
-    /// Its channel.
-    pub fn channel(&self) -> usize {
-        self.channel
-    }
-
-    /// When it fails with a timeout.
-    pub fn deadline(&self) -> Instant {
-        self.deadline
-    }
-
-    /// When it started.
-    pub fn started(&self) -> Instant {
-        self.started
-    }
-
-    /// How many steps it has completed: grows whenever a poll gets anywhere.
-    pub fn steps(&self) -> u64 {
-        self.steps
-    }
-
-    /// The index of the action it is at.
-    pub fn position(&self) -> usize {
-        self.pc
-    }
-
-    /// Whether it is complete.
-    pub fn is_done(&self) -> bool {
-        self.phase == Phase::Done
-    }
-}
-
-/// One rank's executor, computing with an engine of type `E`: a concrete engine (calls to it are
-/// direct) or, by default, any engine behind `dyn Engine`.
-pub struct Executor<E: Engine + ?Sized = dyn Engine> {
-    rank: usize,
-    world: usize,
-    settings: Settings,
-    /// Declared (so dropped) before the link: a device engine waits for its queued kernels when it
-    /// drops, and they may still use the link's slots, which go with the link.
-    engine: Box<E>,
-    link: Option<Box<dyn Link>>,
-    /// The link's slot size and channels (fixed: read once, not on every op).
-    slot_bytes: usize,
-    channels: usize,
-    abort: Arc<AtomicBool>,
-    hosts: Vec<Vec<usize>>,
-    /// Recently used plans, most recent first.
-    plans: Vec<(PlanKey, Arc<Plan>)>,
-    spare_scratch: Vec<Scratch>,
-    spare_rx: Vec<Vec<Option<RecvSlot>>>,
-    /// The eager path's received messages, one place per rank (every place empty once a call
-    /// returns).
-    eager_rx: Vec<Option<RecvSlot>>,
-    srcs: Vec<Operand>,
-}
-
-/// What a step needs from the executor while it mutates a run.
-struct Cx<'a, E: Engine + ?Sized> {
-    rank: usize,
-    world: usize,
-    link: &'a dyn Link,
-    engine: &'a mut E,
-    abort: &'a AtomicBool,
-    srcs: &'a mut Vec<Operand>,
-}
-
-type Step = Result<Option<Wait>, Error>;
 
 impl<E: Engine + ?Sized> Executor<E> {
     /// An executor for `rank` of `world` over `link` (`None` for a one-rank communicator), computing

@@ -8,7 +8,8 @@ use braid_core::Error;
 use braid_sched::{Action, Buf};
 use braid_transport::{Event, Link, RecvSlot, Span, WaitCtx};
 
-use super::{Cx, Deferred, Phase, Run, Step, Wait};
+use super::run::{Deferred, Op, Phase, Run, Step, Wait};
+use super::state::Cx;
 use crate::engine::{check_kinds, Engine, Kernel, Operand, Scratch};
 use crate::fingerprint::Fingerprint;
 
@@ -96,7 +97,7 @@ pub(super) fn accept<E: Engine + ?Sized>(
     slot: &RecvSlot,
     tag: Option<u32>,
     rank: usize,
-    op: &super::Op,
+    op: &Op,
     seq: u64,
 ) -> Result<(), Error> {
     let readable = slot.is_empty() || engine.accepts(slot.span().kind());
@@ -113,7 +114,7 @@ fn refuse<E: Engine + ?Sized>(
     slot: &RecvSlot,
     tag: Option<u32>,
     rank: usize,
-    op: &super::Op,
+    op: &Op,
     seq: u64,
 ) -> Result<(), Error> {
     if !slot.is_empty() && !engine.accepts(slot.span().kind()) {
@@ -145,7 +146,7 @@ pub(super) fn check_len(
     slot: &RecvSlot,
     want: usize,
     rank: usize,
-    op: &super::Op,
+    op: &Op,
     seq: u64,
 ) -> Result<(), Error> {
     if slot.len() == want {
@@ -156,7 +157,7 @@ pub(super) fn check_len(
 
 #[cold]
 #[inline(never)]
-fn wrong_len(slot: &RecvSlot, want: usize, rank: usize, op: &super::Op, seq: u64) -> Error {
+fn wrong_len(slot: &RecvSlot, want: usize, rank: usize, op: &Op, seq: u64) -> Error {
     Error::Mismatch {
         rank,
         peer: slot.peer(),
