@@ -18,7 +18,7 @@ use braid_cuda::{
     Shape, Stream,
 };
 use braid_exec::{CpuEngine, Engine, Kernel, Operand as KOperand};
-use braid_testkit::process::{hex, read_marked, unhex};
+use braid_testkit::process::{hex, read_marked, unhex, ChildTest};
 use braid_transport::Span;
 use support::cases::{check_kernel, data, Grid, Operand, Rng, Runner};
 
@@ -706,8 +706,6 @@ const IPC_CHILD: &str = "BRAID_TEST_IPC_CHILD";
 fn the_ipc_transport_moves_messages_between_processes() {
     use braid_transport::plugin::Transport;
     use braid_transport::shm::ipc::Ipc;
-    use std::io::{BufReader, Write};
-    use std::process::{Command, Stdio};
     let Some(gpu) = gpu() else { return };
     for (k, mode, name) in [(0u64, IpcMode::Fd, "fd"), (1, IpcMode::Legacy, "legacy")] {
         let Some(memory) = ipc_memory(&gpu, mode) else {
@@ -717,38 +715,26 @@ fn the_ipc_transport_moves_messages_between_processes() {
         let prepared = Box::new(Ipc::new("/dev/shm", memory))
             .prepare(&ipc_ctx(0, nonce))
             .unwrap();
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "ipc_rank_1_of_a_child_process",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(IPC_CHILD, format!("{name} {nonce}"))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut to_child = child.stdin.take().unwrap();
-        writeln!(to_child, "BRAID-ENDPOINT {}", hex(&prepared.endpoint())).unwrap();
-        drop(to_child);
-        let mut from_child = BufReader::new(child.stdout.take().unwrap());
-        let theirs = read_marked(&mut from_child, "BRAID-ENDPOINT ");
+        let mut child = ChildTest::start(
+            "ipc_rank_1_of_a_child_process",
+            IPC_CHILD,
+            &format!("{name} {nonce}"),
+        );
+        child.send_marked("BRAID-ENDPOINT ", &prepared.endpoint());
+        let theirs = child.read_marked("BRAID-ENDPOINT ");
         let link = prepared
             .connect(&ipc_ctx(0, nonce), &[None, Some(&ipc_peer(unhex(&theirs)))])
             .unwrap()
             .activate()
             .unwrap();
         ipc_send(&gpu, &*link, 1, &ipc_message());
-        let verdict = read_marked(&mut from_child, "BRAID-RECEIVED ");
-        let mut rest = String::new();
-        let _ = std::io::Read::read_to_string(&mut from_child, &mut rest);
-        let status = child.wait().unwrap();
+        let verdict = child.read_marked("BRAID-RECEIVED ");
+        let (ok, rest) = child.finish();
         assert_eq!(
             verdict, "ok",
             "{mode:?}: the child received another message\n{rest}"
         );
-        assert!(status.success(), "{mode:?}: the child failed\n{rest}");
+        assert!(ok, "{mode:?}: the child failed\n{rest}");
         // Legacy: the child's rings went with it; closing them here may warn, never panic.
         drop(link);
     }

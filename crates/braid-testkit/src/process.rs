@@ -1,8 +1,8 @@
 //! Tests that run other processes: their output for assertion messages, and the lines two processes
 //! of one test exchange (bytes as hex after a marker the harness cannot mistake).
 
-use std::io::BufRead;
-use std::process::Output;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, ChildStdout, Command, Output, Stdio};
 
 /// A finished process's status and output, for assertion messages.
 pub fn show(o: &Output) -> String {
@@ -44,6 +44,49 @@ pub fn read_marked(input: &mut impl BufRead, marker: &str) -> String {
         if let Some(at) = line.find(marker) {
             return line[at + marker.len()..].trim().to_string();
         }
+    }
+}
+
+/// One test of this test binary run again in a child process (alone, its output not captured), to
+/// play another rank: it finds its part through an environment variable, and the two talk through
+/// its stdin and stdout in lines of [`hex`] after a marker.
+pub struct ChildTest {
+    child: Child,
+    output: BufReader<ChildStdout>,
+}
+
+impl ChildTest {
+    /// Starts test `name` (its whole path, as `--exact` wants it) with `var` set to `value`.
+    pub fn start(name: &str, var: &str, value: &str) -> ChildTest {
+        let exe = std::env::current_exe().expect("the test binary's path");
+        let mut child = Command::new(exe)
+            .args(["--exact", name, "--nocapture", "--test-threads=1"])
+            .env(var, value)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting test {name} in a child process: {e}"));
+        let output = BufReader::new(child.stdout.take().expect("piped stdout"));
+        ChildTest { child, output }
+    }
+
+    /// Sends `bytes` to the child after `marker`, then closes its stdin (one message each way).
+    pub fn send_marked(&mut self, marker: &str, bytes: &[u8]) {
+        let mut input = self.child.stdin.take().expect("the child's stdin, once");
+        writeln!(input, "{marker}{}", hex(bytes)).expect("writing to the child");
+    }
+
+    /// The rest of the first line the child prints with `marker` (see [`read_marked`]).
+    pub fn read_marked(&mut self, marker: &str) -> String {
+        read_marked(&mut self.output, marker)
+    }
+
+    /// Waits for the child to end: whether it succeeded, and the rest of what it printed.
+    pub fn finish(mut self) -> (bool, String) {
+        let mut rest = String::new();
+        let _ = self.output.read_to_string(&mut rest);
+        let ok = self.child.wait().is_ok_and(|s| s.success());
+        (ok, rest)
     }
 }
 

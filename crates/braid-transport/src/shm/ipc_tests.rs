@@ -13,7 +13,7 @@ use crate::memory::{MemKind, Span};
 use crate::plugin::{Endpoint, Geometry, Peer, SetupCtx, Transport};
 use crate::wait::{WaitCtx, WaitPolicy};
 use braid_core::Error;
-use braid_testkit::process::{hex, read_marked, unhex};
+use braid_testkit::process::{hex, read_marked, unhex, ChildTest};
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
@@ -513,31 +513,19 @@ const CHILD: &str = "BRAID_TEST_IPC_CHILD";
 /// rings.
 #[test]
 fn ranks_in_two_processes_share_rings_by_descriptor_and_by_handle() {
-    use std::io::BufReader;
-    use std::process::{Command, Stdio};
     for mode in [Mode::Fd, Mode::Handle] {
         let nonce = rand_tag();
         let ctx = setup_ctx(0, 2, 2, 4096, nonce);
         let prepared = Box::new(Ipc::new("/dev/shm", Arc::new(device(mode))))
             .prepare(&ctx)
             .unwrap();
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "shm::ipc_tests::rank_1_of_a_child_process",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD, format!("{mode:?} {nonce}"))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut to_child = child.stdin.take().unwrap();
-        writeln!(to_child, "BRAID-ENDPOINT {}", hex(&prepared.endpoint())).unwrap();
-        drop(to_child);
-        let mut from_child = BufReader::new(child.stdout.take().unwrap());
-        let theirs = read_marked(&mut from_child, "BRAID-ENDPOINT ");
+        let mut child = ChildTest::start(
+            "shm::ipc_tests::rank_1_of_a_child_process",
+            CHILD,
+            &format!("{mode:?} {nonce}"),
+        );
+        child.send_marked("BRAID-ENDPOINT ", &prepared.endpoint());
+        let theirs = child.read_marked("BRAID-ENDPOINT ");
         let link = prepared
             .connect(&ctx, &[None, Some(&child_peer(unhex(&theirs)))])
             .unwrap()
@@ -550,9 +538,8 @@ fn ranks_in_two_processes_share_rings_by_descriptor_and_by_handle() {
             (b"from rank 1".to_vec(), 2),
             "{mode:?}"
         );
-        let mut rest = String::new();
-        let _ = from_child.read_to_string(&mut rest);
-        assert!(child.wait().unwrap().success(), "{mode:?}: {rest}");
+        let (ok, rest) = child.finish();
+        assert!(ok, "{mode:?}: {rest}");
     }
 }
 
