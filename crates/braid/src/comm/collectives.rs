@@ -2,7 +2,7 @@
 
 use braid_core::{DType, Element, Error, ReduceOp};
 
-use super::Communicator;
+use super::state::Communicator;
 use crate::call::{Call, Kind};
 
 /// Which side of a collective a caller's buffer is.

@@ -8,7 +8,7 @@ use braid_core::{Config, Error};
 use braid_transport::{Geometry, Link, Router, Setup, SetupCtx, WaitPolicy};
 use tracing::debug;
 
-use super::{Communicator, Inner};
+use super::state::{Communicator, Inner};
 use crate::bootstrap::{self, Agreed};
 use crate::dispatch::Dispatcher;
 use crate::id::{random_secret, UniqueId};

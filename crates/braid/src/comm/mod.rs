@@ -1,58 +1,28 @@
-//! The communicator: its state, accessors, abort and sticky errors, and the asynchronous calls of stream
-//! 0. Creating one is in `init.rs`, the blocking collectives and their argument checks in
-//! `collectives.rs`; ops run on streams (`../streams.rs`), and calls on chosen streams and borrowed
-//! buffers are in `../scope.rs`.
+//! The communicator: its accessors, abort and sticky errors, and the asynchronous calls of stream 0.
+//! Its type and state are in `state.rs`, creating one in `init.rs`, the blocking collectives and their
+//! argument checks in `collectives.rs`; ops run on streams (`../streams.rs`), and calls on chosen
+//! streams and borrowed buffers are in `../scope.rs`.
 //!
 //! Every collective becomes a [`Call`]; blocking calls and the `*_async` calls without a stream run on
 //! stream 0, in the order they were issued.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use braid_core::{Config, Element, Error, ReduceOp};
 
 use crate::call::{Call, Kind};
-use crate::streams::{Streams, Task, Work};
+use crate::streams::{Task, Work};
 use crate::tune::{Algo, Collective};
 
 mod collectives;
 mod init;
 mod register;
+mod state;
 
 pub use register::Registration;
-
-/// A group of ranks that run collectives together.
-///
-/// Errors follow NCCL's split: an invalid argument is rejected before anything happens and the
-/// communicator stays usable; any other error (timeout, dead or aborted peer, mismatch) makes the
-/// communicator unusable, visible through [`Communicator::async_error`], and later calls fail fast.
-pub struct Communicator {
-    pub(crate) inner: Arc<Inner>,
-}
-
-pub(crate) struct Inner {
-    pub(crate) rank: usize,
-    pub(crate) world: usize,
-    /// How each peer is reached ("self", "shm" or "tcp"), indexed by rank.
-    routes: Vec<&'static str>,
-    /// The ranks of each host.
-    pub(crate) hosts: Vec<Vec<usize>>,
-    /// Where the ranks are, as the communicator decided it.
-    topology: braid_topo::Topology,
-    pub(crate) config: Config,
-    pub(crate) streams: Arc<Streams>,
-    abort: Arc<AtomicBool>,
-    recorder: crate::recorder::Recorder,
-    /// The timeline (`BRAID_TIMELINE`), for the caller's markers.
-    pub(crate) timeline: Option<Arc<crate::timeline::Timeline>>,
-    /// Registered buffers, as (address, length), whichever transport uses them.
-    registered: parking_lot::Mutex<Vec<(usize, usize)>>,
-    /// The communicator's secret (links set up later, such as device rings, check it too).
-    pub(crate) secret: [u8; 16],
-    /// Each rank's host identity, as the bootstrap exchanged it (equal: same kernel, same /dev/shm).
-    pub(crate) host_ids: Vec<String>,
-}
+pub use state::Communicator;
 
 impl Communicator {
     /// This rank.
@@ -307,20 +277,5 @@ pub(crate) trait OwnedBytes: Send + 'static {
 impl OwnedBytes for Vec<u64> {
     fn bytes_mut(&mut self) -> &mut [u8] {
         bytemuck::cast_slice_mut(self)
-    }
-}
-
-impl Inner {
-    pub(crate) fn streams_limit(&self) -> Duration {
-        self.config.timeout * 2 + Duration::from_secs(10)
-    }
-}
-
-impl Drop for Inner {
-    /// The last handle is gone (the caller's, or one a [`crate::GradientBuckets`] worker held).
-    fn drop(&mut self) {
-        // Queued ops still run (their buffers are owned by their tasks); each is bounded by the
-        // timeout, so this is bounded too.
-        self.streams.shut_down();
     }
 }

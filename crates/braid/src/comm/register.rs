@@ -7,7 +7,7 @@ use braid_core::{Element, Error};
 use braid_transport::Span;
 use tracing::warn;
 
-use super::Communicator;
+use super::state::Communicator;
 
 /// A buffer registered with the communicator's transports (see [`Communicator::register`]):
 /// deregistered when dropped, after every send from it has finished reading it.

@@ -11,11 +11,13 @@
 
 use std::ops::Range;
 
+use braid_compress::CodecSpec;
 use braid_core::Error;
 
+use super::options::CompressionConfig;
 use super::paths::{internal, shards};
 use super::sparse::add_into;
-use super::{CodecSpec, CompressionConfig, GradientCompressor};
+use super::state::GradientCompressor;
 
 /// What a compressor carries per element to the next layout.
 pub(crate) struct Carried {

@@ -4,10 +4,10 @@
 use std::fmt;
 use std::str::FromStr;
 
-use braid_compress::echo_input;
+use braid_compress::{echo_input, DensityWarmup};
 use braid_core::Error;
 
-use super::{AdamSafe, AdamSend, ClipScope, CompressionConfig, DensityWarmup};
+use super::options::{message, AdamSafe, AdamSend, ClipScope, CompressionConfig};
 
 /// The options the grammar accepts, for error messages.
 const OPTIONS: &str =
@@ -174,9 +174,9 @@ impl FromStr for CompressionConfig {
                     let v = value
                         .as_deref()
                         .ok_or_else(|| bad("sparse needs a value (sparse=allgather)".into()))?;
-                    c.sparse_path = v.parse().map_err(|e| {
-                        bad(format!("sparse={}: {}", echo_input(v), super::message(e)))
-                    })?;
+                    c.sparse_path = v
+                        .parse()
+                        .map_err(|e| bad(format!("sparse={}: {}", echo_input(v), message(e))))?;
                 }
                 "seed" => {
                     let v = value
@@ -198,7 +198,7 @@ impl FromStr for CompressionConfig {
         if pending_send && !seen.iter().any(|k| k == "adam") {
             return Err(bad("adamsend needs adam=STEPS".into()));
         }
-        c.validate().map_err(|e| bad(super::message(e))).map(|()| c)
+        c.validate().map_err(|e| bad(message(e))).map(|()| c)
     }
 }
 

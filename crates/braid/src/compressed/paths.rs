@@ -4,17 +4,19 @@
 
 use std::ops::Range;
 
-use braid_compress::{build_codec, l2_norm, Compressed, Payload, Staleness, Stats};
+use braid_compress::{build_codec, l2_norm, CodecSpec, Compressed, Payload, Staleness, Stats};
 use braid_core::{DType, Error, ReduceOp};
 use braid_sched::partition;
-use braid_sched::sparse::SparseRoute;
+use braid_sched::sparse::{self as sparse_model, SparseRoute};
 use tracing::{debug, warn};
 
-use super::{
-    codec_error, shard_seed, sparse_model, AdamSafe, AdamSend, ClipScope, CodecSpec,
-    CompressedPath, CompressedReport, GradientCompressor, Output, PathOf, HEADER,
-};
+use super::options::{AdamSafe, AdamSend, ClipScope};
+use super::report::{CompressedPath, CompressedReport, Output, PathOf};
+use super::state::GradientCompressor;
 use crate::{Collective, Communicator};
+
+/// Bytes of a compressed tensor's header (`braid_compress::wire`).
+const HEADER: usize = braid_compress::wire::HEADER_BYTES;
 
 /// The clip factor error feedback applies for `grad_norm` (the same rule as [`ErrorFeedback`]).
 fn clip_scale(clip: Option<f32>, grad_norm: f64) -> f32 {
@@ -56,6 +58,22 @@ fn quant_bytes(spec: CodecSpec, len: usize) -> Result<usize, Error> {
 /// A broken invariant of the compressed paths (a bug), as an error rather than a panic.
 pub(super) fn internal(what: String) -> Error {
     Error::Internal(format!("compressed all-reduce: {what}"))
+}
+
+pub(super) fn codec_error(e: braid_compress::Error) -> Error {
+    match e {
+        braid_compress::Error::OutOfMemory(m) => Error::OutOfMemory(m),
+        e => Error::invalid(e.to_string()),
+    }
+}
+
+/// A well-mixed seed for the second (shard) codec of `rank`, so stochastic rounding of different shards
+/// does not reuse the same draws.
+fn shard_seed(seed: u64, rank: usize) -> u64 {
+    let mut z = seed ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// The scales of the block-aligned element `range` (none for an empty one).

@@ -11,6 +11,7 @@
 //! collective). All-reduce, reduce-scatter, all-gather, broadcast and reduce take it, in place or not;
 //! barriers and all-to-all keep the message path.
 
+mod memory;
 mod run;
 
 use std::sync::atomic::AtomicBool;
@@ -19,12 +20,13 @@ use std::time::Instant;
 
 use braid_core::{DType, Element, Error, ReduceOp};
 use braid_transport::shm::window::{Board, Window};
-use braid_transport::{Span, WaitPolicy};
+use braid_transport::WaitPolicy;
 
-use crate::call::{Call, Kind};
+use crate::call::Call;
 use crate::Communicator;
 
-use run::Place;
+use memory::Allocation;
+pub(crate) use memory::Shared;
 pub(crate) use run::SharedRun;
 
 /// Where shared memory lives (tmpfs).
@@ -102,81 +104,7 @@ impl std::fmt::Debug for SharedBuffer {
     }
 }
 
-/// One allocation as this rank sees it.
-struct Allocation {
-    /// This rank's window, also held by its [`SharedBuffer`] until that is dropped (then it stays
-    /// mapped, so its addresses are never reused under this table, but takes no collectives).
-    own: Arc<Window>,
-    /// Every rank's window, as (address here, bytes); the peers' mappings are kept in `maps`.
-    places: Vec<(usize, usize)>,
-    #[allow(dead_code)]
-    maps: Vec<Window>,
-}
-
-/// The shared memory of one communicator: every rank's board and every allocation.
-pub(crate) struct Shared {
-    rank: usize,
-    /// Every rank's board; this rank's is also marked failed when the communicator fails.
-    boards: Vec<Arc<Board>>,
-    allocations: Vec<Allocation>,
-    policy: WaitPolicy,
-    /// Per stream, the counter's value after the last collective on shared buffers, and how many
-    /// such collectives have run (their parity picks the descriptor and inline area).
-    next: Vec<(u32, u64)>,
-}
-
 impl Shared {
-    fn world(&self) -> usize {
-        self.boards.len()
-    }
-
-    fn own(&self) -> &Board {
-        &self.boards[self.rank]
-    }
-
-    /// Rank `p`'s buffer `place` as an address here, when it lies inside `p`'s allocation and is
-    /// `len` bytes long (an empty one resolves to 0).
-    fn resolve(&self, p: usize, place: Place, len: usize) -> Option<usize> {
-        if len == 0 {
-            return (place.len == 0).then_some(0);
-        }
-        let a = self.allocations.get(usize::try_from(place.alloc).ok()?)?;
-        let (base, size) = *a.places.get(p)?;
-        let off = usize::try_from(place.offset).ok()?;
-        (place.len == len as u64 && off.checked_add(len)? <= size).then_some(base + off)
-    }
-
-    /// Where `span` lies in this rank's allocations (`None` if not in one).
-    fn place(&self, span: &Span) -> Option<Place> {
-        if span.is_empty() {
-            return Some(Place::NONE);
-        }
-        span.host_ptr()?;
-        self.allocations.iter().enumerate().find_map(|(i, a)| {
-            if Arc::strong_count(&a.own) < 2 {
-                return None;
-            }
-            let off = a.own.offset_of(span.addr(), span.len())?;
-            Some(Place {
-                alloc: i as u64,
-                offset: off as u64,
-                len: span.len() as u64,
-            })
-        })
-    }
-
-    /// Where `op`'s input and output lie, when its kind takes the shared path and both are shared.
-    fn places(&self, op: &Call) -> Option<(Place, Place)> {
-        if self.world() < 2 || op.count == 0 || op.has_blocks() {
-            return None;
-        }
-        if matches!(op.kind, Kind::Barrier | Kind::AllToAll) {
-            return None;
-        }
-        let (send, recv) = op.spans();
-        Some((self.place(&send)?, self.place(&recv)?))
-    }
-
     /// The run of `op` on shared buffers, when its kind takes that path and all its buffers are
     /// shared; `None` otherwise (the op runs on messages).
     pub(crate) fn start(

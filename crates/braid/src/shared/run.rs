@@ -24,7 +24,7 @@ use braid_sched::shared::slice;
 use braid_transport::shm::window::{DESCRIPTOR_WORDS, INLINE_BYTES};
 use braid_transport::WaitCtx;
 
-use super::Shared;
+use super::memory::{Place, Shared};
 use crate::call::Kind;
 
 /// Bytes of output per step: a poll's budget counts these.
@@ -55,22 +55,6 @@ enum Phase {
     Part,
     Finish,
     Done,
-}
-
-/// A buffer as a descriptor names it: which allocation, where in it, how long (`u64::MAX` for none).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Place {
-    pub alloc: u64,
-    pub offset: u64,
-    pub len: u64,
-}
-
-impl Place {
-    pub(super) const NONE: Place = Place {
-        alloc: u64::MAX,
-        offset: 0,
-        len: 0,
-    };
 }
 
 /// One piece of work: `reduce(srcs)` (or, with one source, that source) stored into every `dsts`.
