@@ -1,7 +1,8 @@
 //! The model a task trains: an MLP or the small CNN, behind one interface over flat parameter and
 //! gradient vectors.
 
-use super::{cnn, mlp};
+use super::cnn;
+use super::mlp;
 
 /// A model over one flat parameter vector.
 #[derive(Clone, Debug)]

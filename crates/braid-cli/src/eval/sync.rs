@@ -17,7 +17,7 @@ use braid::{
 };
 use braid_compress::{echo_input, Compressed, ErrorFeedback, Layout, PowerSgd};
 
-use super::OptKind;
+use super::optim::OptKind;
 
 /// What one synchronisation did, as seen by this rank.
 #[derive(Clone, Debug)]
