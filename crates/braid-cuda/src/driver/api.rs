@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 use braid_core::Error;
 use libloading::Library;
 
-use super::DRIVER_LIBRARY;
+use super::library::DRIVER_LIBRARY;
 
 /// `CUresult`.
 pub type CuResult = c_int;
