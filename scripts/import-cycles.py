@@ -8,6 +8,13 @@ files, names something of A. Prints each circle's files and exits 1 if there is 
 A file's module path comes from its place under src/ (`a/mod.rs` and `a.rs` are `a`). A path that names
 an item of a module (`crate::a::Item`) counts as an edge to `a`'s file; child modules declared inside a
 file (`mod tests { ... }`) belong to it. Test modules are skipped: they may use their parent freely.
+
+A module root (`mod.rs`, `lib.rs`, or `a.rs` beside an `a/` directory) naming its own child's items is an
+edge like any other: for each `mod child;` it declares, `child::Item` in code, `use child::Item;` and
+`pub use child::{A, B};` count as edges to the child's file. So a child that uses `super::Item` of its
+parent while the parent uses the child is a circle; what both need belongs in a file below both, and
+children reach their siblings directly (`super::sibling::Item`), not through the parent's re-exports.
+A group `use super::{a, b};` names the parent itself too, so a child names its siblings one `use` each.
 """
 
 import re
@@ -15,7 +22,11 @@ import sys
 from pathlib import Path
 
 PATH = re.compile(r"\b(crate|super|self)((?:::[A-Za-z_][A-Za-z0-9_]*)+)")
-USE_GROUP = re.compile(r"\buse\s+(crate|super|self)((?:::[A-Za-z_][A-Za-z0-9_]*)*)::\{([^;]*)\}\s*;", re.S)
+USE_GROUP = re.compile(r"\buse\s+([A-Za-z_][A-Za-z0-9_]*)((?:::[A-Za-z_][A-Za-z0-9_]*)*)::\{([^;]*)\}\s*;", re.S)
+# Comments, raw strings, strings (a `\` at a line's end continues one) and character literals, in one
+# pass from the left, so that `//` in a string or `"` in a character literal is not taken for the other.
+LEXEMES = re.compile(r"""//[^\n]*|/\*.*?\*/|r(#*)".*?"\1|"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\\n])'""", re.S)
+CHILD = re.compile(r"\bmod\s+([A-Za-z_][A-Za-z0-9_]*)\s*;")
 
 
 def module_of(src: Path, f: Path):
@@ -27,9 +38,7 @@ def module_of(src: Path, f: Path):
 
 def strip(text: str) -> str:
     """The code without comments, strings and `#[cfg(test)]` modules."""
-    text = re.sub(r"//[^\n]*", "", text)
-    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
-    text = re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
+    text = LEXEMES.sub(lambda m: "" if m.group(0).startswith("/") else '""', text)
     out, i = [], 0
     for m in re.finditer(r"#\[cfg\(test\)\]\s*mod\s+\w+\s*\{", text):
         if m.start() < i:
@@ -45,7 +54,10 @@ def strip(text: str) -> str:
 
 
 def base_of(m, kind, rest):
-    """The module path that `kind::rest` names from inside module `m`."""
+    """The module path that `kind::rest` names from inside module `m` (`kind` is `crate`, `super`,
+    `self`, or one of `m`'s own child modules)."""
+    if kind not in ("crate", "super", "self"):
+        return list(m) + [kind] + rest
     base = [] if kind == "crate" else list(m) if kind == "self" else list(m[:-1])
     while rest and rest[0] == "super":
         rest, base = rest[1:], base[:-1]
@@ -69,7 +81,10 @@ def edges(src: Path):
             continue
         text = strip(f.read_text())
         targets = []
+        children = set(CHILD.findall(text))
         for g in USE_GROUP.finditer(text):
+            if g.group(1) not in ("crate", "super", "self") and g.group(1) not in children:
+                continue
             root = base_of(m, g.group(1), [x for x in g.group(2).split("::") if x])
             for item in re.split(r"[,{}\s]+", g.group(3)):
                 if item and item != "self":
@@ -77,6 +92,9 @@ def edges(src: Path):
             targets.append(root)
         for p in PATH.finditer(text):
             targets.append(base_of(m, p.group(1), [x for x in p.group(2).split("::") if x]))
+        for child in children:
+            for p in re.finditer(r"(?<![:\w])" + child + r"((?:::[A-Za-z_][A-Za-z0-9_]*)+)", text):
+                targets.append(base_of(m, child, [x for x in p.group(1).split("::") if x]))
         for t in targets:
             r = resolve(modules, t)
             if r is not None and r != m and r != ():
