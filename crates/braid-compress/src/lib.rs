@@ -32,6 +32,7 @@ mod codec;
 mod error;
 mod feedback;
 mod layout;
+pub mod mx;
 pub mod rng;
 mod select;
 mod spec;
@@ -39,6 +40,7 @@ mod warmup;
 pub mod wire;
 
 pub use codec::cast::Cast;
+pub use codec::mx::Mx;
 pub use codec::power_sgd::{self, PowerSgd};
 pub use codec::quant::{Int8, Rounding, Sign, DEFAULT_BLOCK};
 pub use codec::random_k::RandomK;

@@ -5,14 +5,15 @@ use std::str::FromStr;
 
 use braid_core::Error;
 
+use crate::mx::MxElement;
 use crate::{
-    Cast, Codec, Int8, RandomK, Sign, ThresholdTopK, TopK, DEFAULT_BLOCK, DEFAULT_DENSITY,
+    Cast, Codec, Int8, Mx, RandomK, Sign, ThresholdTopK, TopK, DEFAULT_BLOCK, DEFAULT_DENSITY,
 };
 
 /// The forms [`CodecSpec`]'s parser accepts, for error messages.
 const ACCEPTED: &str = "none, dense, topk:D, threshold-topk:D, randomk:D, int8, int8:B, int8-stochastic, \
-                        int8-stochastic:B, sign, sign:B, fp16, bf16, powersgd:R (D a density in (0, 1], B a \
-                        block size ≥ 1, R a rank ≥ 1)";
+                        int8-stochastic:B, sign, sign:B, fp16, bf16, mxfp8, mxfp8:e4m3, mxfp8:e5m2, mxfp4, \
+                        powersgd:R (D a density in (0, 1], B a block size ≥ 1, R a rank ≥ 1)";
 
 /// The most characters of its input an error message repeats.
 const ECHO_CHARS: usize = 80;
@@ -65,6 +66,12 @@ pub enum CodecSpec {
     Fp16,
     /// Cast to bfloat16.
     Bf16,
+    /// Block-scaled floats (OCP MX): MXFP8 with E4M3 or E5M2 elements, or MXFP4 (E2M1), one
+    /// power-of-two scale per 32 elements.
+    Mx {
+        /// The element format.
+        element: MxElement,
+    },
     /// PowerSGD of the given rank.
     PowerSgd {
         /// Number of factors, at least 1.
@@ -81,6 +88,16 @@ impl CodecSpec {
                 crate::PowerSgd::new(rank, seed).map_err(codec_error)?,
             ))),
             other => build_codec(other, seed),
+        }
+    }
+
+    /// Elements per scale of a codec that quantises in blocks (int8, sign, MX), whose compressed
+    /// tensor can be cut at any multiple of it; `None` for the others.
+    pub fn block(&self) -> Option<usize> {
+        match *self {
+            CodecSpec::Int8 { block, .. } | CodecSpec::Sign { block } => Some(block),
+            CodecSpec::Mx { .. } => Some(crate::mx::MX_BLOCK),
+            _ => None,
         }
     }
 
@@ -130,7 +147,8 @@ impl CodecSpec {
 
 /// Parses the text forms `none` or `dense`, `topk:D`, `threshold-topk:D`, `randomk:D` (`D` a density in
 /// `(0, 1]`; without it, 0.1), `int8`, `int8:B`, `int8-stochastic`, `int8-stochastic:B`, `sign`, `sign:B`
-/// (`B` a block size, 256 without it), `fp16`, `bf16`, `powersgd:R` (`R` the rank, 1 without it). Case and
+/// (`B` a block size, 256 without it), `fp16`, `bf16`, `mxfp8` (E4M3 elements), `mxfp8:e4m3`,
+/// `mxfp8:e5m2`, `mxfp4` (E2M1), `powersgd:R` (`R` the rank, 1 without it). Case and
 /// surrounding spaces are ignored. An error names the bad text and lists the accepted forms.
 impl FromStr for CodecSpec {
     type Err = Error;
@@ -201,6 +219,27 @@ impl FromStr for CodecSpec {
             }),
             "sign" => Ok(CodecSpec::Sign { block: block()? }),
             "fp16" => no_arg(CodecSpec::Fp16),
+            "mxfp8" => match arg {
+                None | Some("e4m3") => Ok(CodecSpec::Mx {
+                    element: MxElement::E4M3,
+                }),
+                Some("e5m2") => Ok(CodecSpec::Mx {
+                    element: MxElement::E5M2,
+                }),
+                Some(a) => Err(bad(format!(
+                    "mxfp8 elements are e4m3 or e5m2, got {}",
+                    echo_input(a)
+                ))),
+            },
+            "mxfp4" => match arg {
+                None | Some("e2m1") => Ok(CodecSpec::Mx {
+                    element: MxElement::E2M1,
+                }),
+                Some(a) => Err(bad(format!(
+                    "mxfp4 elements are e2m1, got {}",
+                    echo_input(a)
+                ))),
+            },
             "bf16" => no_arg(CodecSpec::Bf16),
             "powersgd" | "power-sgd" => {
                 let rank = match arg {
@@ -244,6 +283,10 @@ impl fmt::Display for CodecSpec {
             CodecSpec::Sign { block } => write!(f, "sign:{block}"),
             CodecSpec::Fp16 => write!(f, "fp16"),
             CodecSpec::Bf16 => write!(f, "bf16"),
+            CodecSpec::Mx {
+                element: MxElement::E2M1,
+            } => write!(f, "mxfp4"),
+            CodecSpec::Mx { element } => write!(f, "mxfp8:{}", element.name()),
             CodecSpec::PowerSgd { rank } => write!(f, "powersgd:{rank}"),
         }
     }
@@ -276,5 +319,6 @@ pub fn build_codec(spec: CodecSpec, seed: u64) -> Result<Option<BoxedCodec>, Err
         CodecSpec::Sign { block } => Some(Box::new(Sign::new(block).map_err(codec_error)?)),
         CodecSpec::Fp16 => Some(Box::new(Cast::F16)),
         CodecSpec::Bf16 => Some(Box::new(Cast::Bf16)),
+        CodecSpec::Mx { element } => Some(Box::new(Mx::new(element))),
     })
 }

@@ -9,7 +9,7 @@
 //! |-------|---------------------------------------------------------------------------------|
 //! | 0..2  | magic `b"BC"`                                                                   |
 //! | 2     | version, `1`                                                                    |
-//! | 3     | kind: 1 sparse, 2 random-k, 3 int8, 4 sign, 5 f16, 6 bf16, 7 low-rank, 8 layered |
+//! | 3     | kind: 1 sparse, 2 random-k, 3 int8, 4 sign, 5 f16, 6 bf16, 7 low-rank, 8 layered, 9 mx |
 //! | 4..12 | `len: u64`, the number of elements of the dense tensor (`≤ u32::MAX` for sparse and random-k) |
 //!
 //! then the body of its kind, and nothing after it:
@@ -23,6 +23,7 @@
 //! | f16      | `len × u16`, IEEE binary16 bit patterns                                                     |
 //! | bf16     | `len × u16`, bfloat16 bit patterns                                                          |
 //! | low-rank | `rows: u32`, `cols: u32` (`≥ 1`), `rank: u32`, `rows·rank × f32` P row-major, `cols·rank × f32` Q row-major; `rows = ⌈len/cols⌉`, `rank ≤ min(rows, cols)` |
+//! | mx       | `element: u8` (0 E4M3, 1 E5M2, 2 E2M1), `⌈len/32⌉` E8M0 scale bytes (255 NaN), then the element codes: `len` bytes for E4M3 and E5M2, `⌈len/2⌉` bytes for E2M1 (element `i` in the low nibble of byte `i / 2` when `i` is even, the high nibble when odd; the unused high nibble of the last byte zero) |
 //! | layered  | `count: u32`, then `count` pieces whose elements add up to `len`, each a tag byte and its body: `0` dense, `n: u64` (`≥ 1`), `n × f32`; `1` low-rank, `rows: u32`, `cols: u32` (both `≥ 1`), `rank: u32` (`≤ min(rows, cols)`), `rows·rank × f32` P, `cols·rank × f32` Q, for exactly `rows·cols` elements |
 //!
 //! The encoding is canonical: [`Compressed::decode`] accepts exactly the byte strings that
@@ -32,6 +33,7 @@
 
 use half::{bf16, f16};
 
+use crate::mx::{scale_value, MxElement, MX_BLOCK};
 use crate::select::random_k_indices;
 use crate::{Error, Result};
 
@@ -50,6 +52,18 @@ const KIND_F16: u8 = 5;
 const KIND_BF16: u8 = 6;
 const KIND_LOW_RANK: u8 = 7;
 const KIND_LAYERED: u8 = 8;
+const KIND_MX: u8 = 9;
+
+/// The element formats of an mx body, by their code on the wire.
+const MX_ELEMENTS: [MxElement; 3] = [MxElement::E4M3, MxElement::E5M2, MxElement::E2M1];
+
+/// The wire code of an mx element format.
+fn element_code(e: MxElement) -> u8 {
+    MX_ELEMENTS
+        .iter()
+        .position(|&x| x == e)
+        .expect("every format has a code") as u8
+}
 
 const PIECE_DENSE: u8 = 0;
 const PIECE_LOW_RANK: u8 = 1;
@@ -110,6 +124,16 @@ pub enum Payload {
         p: Vec<f32>,
         /// `cols × rank`, row-major.
         q: Vec<f32>,
+    },
+    /// Block-scaled floats (OCP MX): element `i` is `element`'s value of code `i` times
+    /// `2^(scales[i / 32] − 127)` (NaN where the scale is 255). See [`crate::mx`].
+    Mx {
+        /// The element format.
+        element: MxElement,
+        /// One E8M0 scale code per block of 32 elements (the last block may be short).
+        scales: Vec<u8>,
+        /// The element codes: one a byte, or for E2M1 two a byte, low nibble first.
+        codes: Vec<u8>,
     },
     /// Consecutive pieces, each a run of the tensor's elements: per-layer PowerSGD
     /// ([`Plan`](crate::power_sgd::Plan)), where each layer's matrix has its own factors and 1-D tensors
@@ -172,6 +196,7 @@ impl Payload {
             Payload::Bf16(_) => "bf16",
             Payload::LowRank { .. } => "low-rank",
             Payload::Layered(_) => "layered",
+            Payload::Mx { .. } => "mx",
         }
     }
 
@@ -185,6 +210,7 @@ impl Payload {
             Payload::Bf16(_) => KIND_BF16,
             Payload::LowRank { .. } => KIND_LOW_RANK,
             Payload::Layered(_) => KIND_LAYERED,
+            Payload::Mx { .. } => KIND_MX,
         }
     }
 
@@ -198,6 +224,7 @@ impl Payload {
             Payload::Bf16(v) => 2 * v.len(),
             Payload::LowRank { p, q, .. } => 12 + 4 * p.len() + 4 * q.len(),
             Payload::Layered(pieces) => 4 + pieces.iter().map(Piece::bytes).sum::<usize>(),
+            Payload::Mx { scales, codes, .. } => 1 + scales.len() + codes.len(),
         }
     }
 }
@@ -351,6 +378,42 @@ fn validate(len: usize, payload: &Payload) -> Result<(), Bad> {
                         format!("padding bits of the last sign byte {last:#04x} are not zero"),
                     );
                 }
+            }
+        }
+        Payload::Mx {
+            element,
+            scales,
+            codes,
+        } => {
+            if scales.len() != len.div_ceil(MX_BLOCK) {
+                return bad(
+                    h + 1,
+                    format!(
+                        "{} scales for length {len} in blocks of {MX_BLOCK} (expected {})",
+                        scales.len(),
+                        len.div_ceil(MX_BLOCK)
+                    ),
+                );
+            }
+            let want = element.code_bytes(len);
+            if codes.len() != want {
+                return bad(
+                    h + 1 + scales.len(),
+                    format!(
+                        "{} bytes of {} codes for length {len} (expected {want})",
+                        codes.len(),
+                        element.name()
+                    ),
+                );
+            }
+            if element.bits() == 4 && len % 2 == 1 && codes[want - 1] >> 4 != 0 {
+                return bad(
+                    h + 1 + scales.len() + want - 1,
+                    format!(
+                        "the unused high nibble of the last code byte {:#04x} is not zero",
+                        codes[want - 1]
+                    ),
+                );
             }
         }
         Payload::F16(v) => {
@@ -687,6 +750,15 @@ impl Compressed {
                 f32s(&mut b, scales);
                 b.extend_from_slice(bits);
             }
+            Payload::Mx {
+                element,
+                scales,
+                codes,
+            } => {
+                b.push(element_code(*element));
+                b.extend_from_slice(scales);
+                b.extend_from_slice(codes);
+            }
             Payload::F16(v) => v
                 .iter()
                 .for_each(|x| b.extend_from_slice(&x.to_bits().to_le_bytes())),
@@ -822,6 +894,27 @@ impl Compressed {
                     }
                 }
             }
+            KIND_MX => {
+                let at = r.pos;
+                let code = r.take(1, "element format")?[0];
+                let element = MX_ELEMENTS.get(usize::from(code)).copied().ok_or_else(|| {
+                    Error::Malformed {
+                        offset: at,
+                        detail: format!(
+                            "element format {code} is not one of 0 (E4M3), 1 (E5M2), 2 (E2M1)"
+                        ),
+                    }
+                })?;
+                let scales = r.items(len.div_ceil(MX_BLOCK), 1, "scales")?.to_vec();
+                let codes = r
+                    .items(element.code_bytes(len), 1, "element codes")?
+                    .to_vec();
+                Payload::Mx {
+                    element,
+                    scales,
+                    codes,
+                }
+            }
             KIND_F16 => Payload::F16(
                 r.u16s(len, "f16 values")?
                     .into_iter()
@@ -875,7 +968,7 @@ impl Compressed {
             other => {
                 return Err(Error::Malformed {
                     offset: 3,
-                    detail: format!("unknown kind {other} (known: 1..=8)"),
+                    detail: format!("unknown kind {other} (known: 1..=9)"),
                 })
             }
         };
@@ -981,6 +1074,27 @@ impl Compressed {
                         let i = first + j;
                         let bit = (bits[i / 8] >> (i % 8) & 1) as u32;
                         put::<ADD>(o, f32::from_bits(s.to_bits() ^ (bit << 31)));
+                    }
+                }
+            }
+            Payload::Mx {
+                element,
+                scales,
+                codes,
+            } => {
+                let values: Vec<f32> = (0..1u16 << element.bits())
+                    .map(|c| element.decode(c as u8))
+                    .collect();
+                for (b, (o, &scale)) in out.chunks_mut(MX_BLOCK).zip(scales).enumerate() {
+                    let s = scale_value(scale);
+                    let first = b * MX_BLOCK;
+                    for (j, o) in o.iter_mut().enumerate() {
+                        let i = first + j;
+                        let code = match element.bits() {
+                            8 => codes[i],
+                            _ => codes[i / 2] >> (4 * (i % 2)) & 0xF,
+                        };
+                        put::<ADD>(o, values[usize::from(code)] * s);
                     }
                 }
             }

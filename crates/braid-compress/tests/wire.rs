@@ -2,7 +2,9 @@
 
 mod common;
 
-use braid_compress::{Codec, Compressed, Error, Layout, Payload, Piece, PowerSgd};
+use braid_compress::mx::MxElement;
+use braid_compress::wire::HEADER_BYTES;
+use braid_compress::{Codec, Compressed, Error, Layout, Mx, Payload, Piece, PowerSgd};
 use common::{all_codecs, grad};
 use half::{bf16, f16};
 use proptest::prelude::*;
@@ -173,6 +175,63 @@ fn sign_and_int8_encodings_are_pinned() {
 }
 
 #[test]
+fn mx_encodings_are_pinned_and_checked() {
+    // MXFP8 E4M3, 33 elements: two blocks, the second of one element.
+    let mut x = vec![0.0f32; 33];
+    x[0] = 1.0; // amax 1: scale 2^(0 − 8), and 1 / 2^-8 = 256 = 2^8
+    x[1] = -0.5;
+    x[32] = 3.0; // amax 3: scale 2^(1 − 8), 3 / 2^-7 = 384 = 1.5 · 2^8: code 0x7C
+    let c = Mx::new(MxElement::E4M3).compress(&x, 0);
+    let mut want = header(9, 33);
+    want.push(0); // E4M3
+    want.extend_from_slice(&[127 - 8, 127 - 7]); // scales
+    let mut codes = vec![0u8; 33];
+    codes[0] = 0x78; // 256 = 2^8: exponent field 15, mantissa 0
+    codes[1] = 0xF0; // −128 = −2^7: sign, exponent field 14
+    codes[32] = 0x7C; // 384 = 1.5 · 2^8
+    want.extend_from_slice(&codes);
+    assert_eq!(c.encode(), want);
+    assert_eq!(c.to_dense(), x);
+    assert_eq!(Compressed::decode(&want).unwrap(), c);
+
+    // MXFP4, 3 elements: codes two a byte, low nibble first, the last high nibble zero.
+    let c = Mx::new(MxElement::E2M1).compress(&[6.0, -1.0, 0.5], 0);
+    let mut want = header(9, 3);
+    want.extend_from_slice(&[2, 127, 0x7 | 0xA << 4, 0x1]);
+    assert_eq!(c.encode(), want);
+    assert_eq!(c.to_dense(), [6.0, -1.0, 0.5]);
+
+    let mut bad = want.clone();
+    bad[HEADER_BYTES] = 3;
+    assert!(
+        malformed(&bad).1.contains("element format 3"),
+        "{:?}",
+        malformed(&bad)
+    );
+    let mut bad = want.clone();
+    *bad.last_mut().unwrap() |= 0x10;
+    assert!(
+        malformed(&bad).1.contains("high nibble"),
+        "{:?}",
+        malformed(&bad)
+    );
+    let short = &want[..want.len() - 1];
+    assert!(
+        malformed(short).1.contains("element codes"),
+        "{:?}",
+        malformed(short)
+    );
+    // A NaN scale decodes to NaN everywhere in its block.
+    let mut nan = want.clone();
+    nan[HEADER_BYTES + 1] = 255;
+    assert!(Compressed::decode(&nan)
+        .unwrap()
+        .to_dense()
+        .iter()
+        .all(|v| v.is_nan()));
+}
+
+#[test]
 fn random_k_low_rank_and_casts_are_pinned() {
     let c = Compressed::new(
         4,
@@ -233,7 +292,7 @@ fn decode_rejects_bad_headers() {
     let (at, detail) = malformed(&header(0, 0));
     assert_eq!(at, 3);
     assert!(detail.contains("unknown kind 0"));
-    assert!(malformed(&header(9, 0)).1.contains("unknown kind 9"));
+    assert!(malformed(&header(10, 0)).1.contains("unknown kind 10"));
     assert!(malformed(&header(1, 0)[..10])
         .1
         .contains("length needs 8 bytes"));

@@ -2,6 +2,7 @@
 //! and the multi-process harness of `braid-cli`. Each function is called on every rank of a communicator
 //! and panics with a message naming the case when a check fails; it returns the number of checks made.
 
+use braid::braid_compress::mx::MxElement;
 use braid::braid_compress::{
     k_for_density, l2_norm, top_k, Codec, Compressed, ErrorFeedback, Payload, ThresholdTopK, TopK,
     Transport,
@@ -150,6 +151,15 @@ pub fn cases() -> Vec<CompressionConfig> {
         CodecSpec::Sign { block: 1000 },
         CodecSpec::Fp16,
         CodecSpec::Bf16,
+        CodecSpec::Mx {
+            element: MxElement::E4M3,
+        },
+        CodecSpec::Mx {
+            element: MxElement::E5M2,
+        },
+        CodecSpec::Mx {
+            element: MxElement::E2M1,
+        },
         CodecSpec::PowerSgd { rank: 2 },
     ]
     .into_iter()
@@ -262,9 +272,10 @@ pub fn every_codec(c: &Communicator) -> usize {
                             CompressedPath::SparseAllGather | CompressedPath::SparseReduceScatter
                         )
                 }
-                CodecSpec::Int8 { .. } | CodecSpec::Sign { .. } | CodecSpec::PowerSgd { .. } => {
-                    true
-                }
+                CodecSpec::Int8 { .. }
+                | CodecSpec::Sign { .. }
+                | CodecSpec::Mx { .. }
+                | CodecSpec::PowerSgd { .. } => true,
                 _ => false,
             };
             if n > 1 && saves {
@@ -290,7 +301,9 @@ pub fn every_codec(c: &Communicator) -> usize {
                 CodecSpec::RandomK { .. } | CodecSpec::Fp16 | CodecSpec::Bf16 => {
                     Some(CompressedPath::SumClosed)
                 }
-                CodecSpec::Int8 { .. } | CodecSpec::Sign { .. } => Some(CompressedPath::TwoPhase),
+                CodecSpec::Int8 { .. } | CodecSpec::Sign { .. } | CodecSpec::Mx { .. } => {
+                    Some(CompressedPath::TwoPhase)
+                }
                 CodecSpec::PowerSgd { .. } => Some(CompressedPath::PowerIteration),
             };
             match want {
@@ -407,8 +420,7 @@ pub fn every_codec(c: &Communicator) -> usize {
                 left.iter_mut().zip(&e).for_each(|(l, v)| *l += *v as f64);
             }
             let shards = gather_concat(c, sum_state.shard_error());
-            if matches!(spec, CodecSpec::Int8 { .. } | CodecSpec::Sign { .. }) || !shards.is_empty()
-            {
+            if spec.block().is_some() || !shards.is_empty() {
                 assert_eq!(
                     shards.len(),
                     LEN,

@@ -4,6 +4,7 @@
 use braid_testkit::compression as scenario;
 use braid_testkit::compression::{with_ranks, with_ranks_checked};
 
+use braid::braid_compress::mx::MxElement;
 use braid::{CodecSpec, CompressionConfig, Error, GradientCompressor};
 use proptest::prelude::*;
 
@@ -206,6 +207,30 @@ fn codec_text_forms() {
         ("fp16", CodecSpec::Fp16),
         ("bf16", CodecSpec::Bf16),
         ("powersgd:4", CodecSpec::PowerSgd { rank: 4 }),
+        (
+            "mxfp8",
+            CodecSpec::Mx {
+                element: MxElement::E4M3,
+            },
+        ),
+        (
+            " MXFP8:E5M2 ",
+            CodecSpec::Mx {
+                element: MxElement::E5M2,
+            },
+        ),
+        (
+            "mxfp4",
+            CodecSpec::Mx {
+                element: MxElement::E2M1,
+            },
+        ),
+        (
+            "mxfp4:e2m1",
+            CodecSpec::Mx {
+                element: MxElement::E2M1,
+            },
+        ),
     ];
     for (text, want) in ok {
         assert_eq!(text.parse::<CodecSpec>().unwrap(), want, "{text}");
@@ -219,6 +244,8 @@ fn codec_text_forms() {
         ("sign:-3", "block size"),
         ("powersgd:0", "rank"),
         ("fp16:2", "takes no parameter"),
+        ("mxfp8:e2m1", "mxfp8 elements are e4m3 or e5m2"),
+        ("mxfp4:e4m3", "mxfp4 elements are e2m1"),
         ("zstd", "unknown codec"),
         ("", "unknown codec"),
     ];
@@ -257,6 +284,7 @@ fn specs() -> impl Strategy<Value = CodecSpec> {
         block.prop_map(|block| CodecSpec::Sign { block }),
         Just(CodecSpec::Fp16),
         Just(CodecSpec::Bf16),
+        prop::sample::select(MxElement::ALL.to_vec()).prop_map(|element| CodecSpec::Mx { element }),
         (1usize..=u32::MAX as usize).prop_map(|rank| CodecSpec::PowerSgd { rank }),
     ]
 }

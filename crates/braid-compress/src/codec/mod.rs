@@ -1,6 +1,7 @@
 //! The [`Codec`] trait and the reference codecs.
 
 pub(crate) mod cast;
+pub(crate) mod mx;
 pub mod power_sgd;
 pub(crate) mod quant;
 pub(crate) mod random_k;

@@ -1,8 +1,9 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+use braid_compress::mx::MxElement;
 use braid_compress::rng::Stream;
-use braid_compress::{Cast, Codec, Int8, PowerSgd, RandomK, Sign, ThresholdTopK, TopK};
+use braid_compress::{Cast, Codec, Int8, Mx, PowerSgd, RandomK, Sign, ThresholdTopK, TopK};
 
 /// A heavy-tailed gradient: standard normals, one in 50 multiplied by 30.
 pub fn grad(seed: u64, len: usize) -> Vec<f32> {
@@ -47,6 +48,9 @@ pub fn all_codecs(seed: u64) -> Vec<Box<dyn Codec>> {
                 .unwrap()
                 .without_warm_start(),
         ),
+        Box::new(Mx::new(MxElement::E4M3)),
+        Box::new(Mx::new(MxElement::E5M2)),
+        Box::new(Mx::new(MxElement::E2M1)),
     ]
 }
 

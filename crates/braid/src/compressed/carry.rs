@@ -11,7 +11,6 @@
 
 use std::ops::Range;
 
-use braid_compress::CodecSpec;
 use braid_core::Error;
 
 use super::options::CompressionConfig;
@@ -41,9 +40,8 @@ impl Carried {
 impl GradientCompressor {
     /// Gives the two-phase path's shard error buffer back to the local one, over the shard this rank owned.
     fn fold_shard_state(&mut self) {
-        let block = match self.config.codec {
-            CodecSpec::Int8 { block, .. } | CodecSpec::Sign { block } => block,
-            _ => return,
+        let Some(block) = self.config.codec.block() else {
+            return;
         };
         if let Some((n, me, _, ef)) = self.server.take() {
             if let Some(r) = shards(self.len, block, n).get(me) {

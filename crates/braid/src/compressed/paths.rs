@@ -4,6 +4,7 @@
 
 use std::ops::Range;
 
+use braid_compress::mx::MX_BLOCK;
 use braid_compress::{build_codec, l2_norm, CodecSpec, Compressed, Payload, Staleness, Stats};
 use braid_core::{DType, Error, ReduceOp};
 use braid_sched::partition;
@@ -46,11 +47,14 @@ pub(super) fn shards(len: usize, block: usize, n: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
-/// Encoded size of an int8 or sign tensor of `len` elements.
+/// Encoded size of an int8, sign or MX tensor of `len` elements.
 fn quant_bytes(spec: CodecSpec, len: usize) -> Result<usize, Error> {
     match spec {
         CodecSpec::Int8 { block, .. } => Ok(HEADER + 4 + 4 * len.div_ceil(block) + len),
         CodecSpec::Sign { block } => Ok(HEADER + 4 + 4 * len.div_ceil(block) + len.div_ceil(8)),
+        CodecSpec::Mx { element } => {
+            Ok(HEADER + 1 + len.div_ceil(MX_BLOCK) + element.code_bytes(len))
+        }
         other => Err(internal(format!("{other} on the two-phase path"))),
     }
 }
@@ -82,7 +86,7 @@ fn block_range(range: &Range<usize>, block: usize) -> Range<usize> {
     first..first + range.len().div_ceil(block)
 }
 
-/// The part of an int8 or sign tensor covering the block-aligned `range`.
+/// The part of an int8, sign or MX tensor covering the block-aligned `range`.
 fn slice_quant(c: &Compressed, range: &Range<usize>) -> Result<Compressed, Error> {
     let payload = match c.payload() {
         Payload::Int8 {
@@ -111,6 +115,21 @@ fn slice_quant(c: &Compressed, range: &Range<usize>) -> Result<Compressed, Error
                 block: *block,
                 scales: scales[block_range(range, b)].to_vec(),
                 bits: out,
+            }
+        }
+        Payload::Mx {
+            element,
+            scales,
+            codes,
+        } => {
+            // Blocks of 32 start on whole bytes of codes, also at two codes a byte.
+            let per_byte = 8 / element.bits() as usize;
+            let first = range.start / per_byte;
+            let bytes = first..first + range.len().div_ceil(per_byte);
+            Payload::Mx {
+                element: *element,
+                scales: scales[block_range(range, MX_BLOCK)].to_vec(),
+                codes: codes[bytes].to_vec(),
             }
         }
         other => {
@@ -581,6 +600,7 @@ impl Communicator {
         let (block, kind) = match spec {
             CodecSpec::Int8 { block, .. } => (block, "int8"),
             CodecSpec::Sign { block } => (block, "sign"),
+            CodecSpec::Mx { .. } => (MX_BLOCK, "mx"),
             other => return Err(internal(format!("{other} on the two-phase path"))),
         };
         let (c, stats) = local_step(state, grad, "two-phase")?;
@@ -605,6 +625,7 @@ impl Communicator {
             let ok = match got.payload() {
                 Payload::Int8 { block: b, .. } => kind == "int8" && *b as usize == block,
                 Payload::Sign { block: b, .. } => kind == "sign" && *b as usize == block,
+                Payload::Mx { element, .. } => spec == CodecSpec::Mx { element: *element },
                 _ => false,
             };
             if !ok {

@@ -21,7 +21,9 @@ impl PathOf for CodecSpec {
             CodecSpec::RandomK { .. } | CodecSpec::Fp16 | CodecSpec::Bf16 => {
                 CompressedPath::SumClosed
             }
-            CodecSpec::Int8 { .. } | CodecSpec::Sign { .. } => CompressedPath::TwoPhase,
+            CodecSpec::Int8 { .. } | CodecSpec::Sign { .. } | CodecSpec::Mx { .. } => {
+                CompressedPath::TwoPhase
+            }
             CodecSpec::PowerSgd { .. } => CompressedPath::PowerIteration,
         }
     }
