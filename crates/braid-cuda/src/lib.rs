@@ -31,6 +31,7 @@ pub mod driver;
 mod engine;
 mod ipc_memory;
 mod launch;
+pub mod mx;
 pub mod nvrtc;
 pub mod resident;
 

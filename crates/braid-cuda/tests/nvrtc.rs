@@ -215,3 +215,25 @@ fn the_device_resident_all_reduce_compiles_for_every_world_size_and_is_cached() 
         assert_eq!((again, outcome), (image, braid_cuda::CacheOutcome::Hit));
     }
 }
+
+#[test]
+fn the_mx_kernels_compile_through_nvrtc_for_sm80_and_sm90() {
+    use braid_cuda::mx::{acc_kernel, ef_kernel, headers, FORMATS, SOURCE};
+    let Some(nvrtc) = nvrtc() else { return };
+    let dir = scratch("nvrtc-mx");
+    for arch in [80, 90] {
+        let (image, outcome) =
+            braid_cuda::load_or_compile_program_in(&dir, SOURCE.0, SOURCE.1, &headers(), arch)
+                .unwrap_or_else(|e| panic!("mx.cu for sm_{arch}: {e}"));
+        assert_eq!(outcome, braid_cuda::CacheOutcome::Miss);
+        assert!(!nvrtc.has_cubin() || image.starts_with(b"\x7fELF"));
+        for f in FORMATS {
+            for name in [ef_kernel(f), acc_kernel(f)] {
+                assert!(
+                    contains(&image, format!("{name}\0").as_bytes()),
+                    "{name} is not in the sm_{arch} image"
+                );
+            }
+        }
+    }
+}
