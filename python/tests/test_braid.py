@@ -361,7 +361,8 @@ class Collectives(unittest.TestCase):
         n = 2048
         i = np.arange(n)
         for codec, exact in (("none", True), ("fp16", True), ("topk:0.1", False), ("topk:0.1/sparse=auto", False),
-                             ("int8", False), ("powersgd:2", False)):
+                             ("int8", False), ("mxfp8", False), ("mxfp8:e5m2", False), ("mxfp4", False),
+                             ("powersgd:2", False)):
             with braid.Compressor(n, codec, error_feedback=True) as c:
                 for step in range(2):
                     g = ((i * 3 + (self.rank + step) * 7) % 17 - 8).astype(np.float32)
@@ -376,6 +377,9 @@ class Collectives(unittest.TestCase):
                     elif codec.startswith("topk"):
                         # By default the pairs are gathered (the exact sum of the sparse updates).
                         self.assertIn(st["path"], ("sparse_all_gather", "sparse_dense_switch"), codec)
+                    elif codec == "int8" or codec.startswith("mx"):
+                        # Quantised in blocks: shards reduced by their owners, then gathered.
+                        self.assertEqual(st["path"], "two_phase", codec)
                     everyone = self.comm.all_gather(g).reshape(self.world, n)
                     for r in range(self.world):
                         np.testing.assert_array_equal(everyone[r], g, err_msg=f"{codec}: rank {r} differs")

@@ -98,8 +98,8 @@ fn path_code(p: CompressedPath) -> braid_compress_path {
 
 /// Makes the compression state for a float tensor of `len` elements. `codec_spec` is the configuration as
 /// text, the grammar `BRAID_COMPRESS` and `braid compress-eval` use: a codec (`none`, `fp16`, `bf16`,
-/// `int8`, `int8:BLOCK`, `sign`, `topk:DENSITY`, `randomk:DENSITY`, `powersgd:RANK`, ...) followed by
-/// options (`/noef`, `/clip=X`, `/gclip=X`, `/momentum=M`, `/warmup=STEPS[:START]`, `/adam=STEPS`, ...; see
+/// `int8`, `int8:BLOCK`, `sign`, `mxfp8`, `mxfp4`, `topk:DENSITY`, `randomk:DENSITY`, `powersgd:RANK`, ...)
+/// followed by options (`/noef`, `/clip=X`, `/gclip=X`, `/momentum=M`, `/warmup=STEPS[:START]`, `/adam=STEPS`, ...; see
 /// docs/src/compression/all-reduce.md), the defaults for what it does not say; NULL takes the
 /// environment (`BRAID_COMPRESS` and the other `BRAID_COMPRESS_*` variables) or the default, top-k at
 /// 10%. `error_feedback` is 1 (remember what compression dropped and add it to the next gradient), 0, or

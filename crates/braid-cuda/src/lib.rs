@@ -27,11 +27,12 @@
 #![deny(unsafe_code)]
 
 pub mod cache;
+pub mod compress;
 pub mod driver;
 mod engine;
 mod ipc_memory;
 mod launch;
-pub mod mx;
+
 pub mod nvrtc;
 pub mod resident;
 

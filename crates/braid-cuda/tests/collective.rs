@@ -31,25 +31,13 @@ use std::time::{Duration, Instant};
 use braid_core::reduce::{reduce_ordered, Src};
 use braid_core::{DType, ReduceOp};
 use support::cases::{data, Rng};
-use support::{build_host_program, cxx, scratch, unavailable};
+use support::{built_once, scratch};
 
 /// The collective driver, built once (with ThreadSanitizer) for all the tests of this file.
 fn driver() -> Option<PathBuf> {
     static EXE: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    let built = EXE.get_or_init(|| {
-        let cxx = cxx()?;
-        let exe = scratch("collective").join("collective_driver");
-        let flags = ["-O1", "-Wno-unknown-pragmas", "-fsanitize=thread"];
-        build_host_program(&cxx, "collective_driver.cpp", &flags, &exe);
-        Ok(exe)
-    });
-    match built {
-        Ok(p) => Some(p.clone()),
-        Err(why) => {
-            unavailable(why);
-            None
-        }
-    }
+    let flags = ["-O1", "-Wno-unknown-pragmas", "-fsanitize=thread"];
+    built_once(&EXE, "collective_driver.cpp", &flags)
 }
 
 /// How the driver runs the ranks.

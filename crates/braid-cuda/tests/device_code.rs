@@ -225,20 +225,21 @@ fn parsers_see_spills_and_narrow_accesses() {
     assert_eq!((k.ldg128, k.stg128, k.narrow_global), (0, 1, 1));
 }
 
-/// The MX kernels of kernels/mx.cu (element codes are bytes and nibbles: no 16-byte accesses asked),
-/// each present with resource usage, no stack, no spills and no local memory, for `arch`.
-fn check_mx(arch: &str) {
+/// The compression kernels of kernels/mx.cu and kernels/int8.cu (element codes are bytes and nibbles:
+/// no 16-byte accesses asked), each present with resource usage, no stack, no spills and no local
+/// memory, for `arch`.
+fn check_compression(arch: &str, source: &str, names: &[String]) {
     let nvcc = match cuda_tool("nvcc") {
         Ok(p) => p,
         Err(why) => return unavailable(&why),
     };
-    let dir = scratch(&format!("mx-{arch}"));
-    let cubin = dir.join(format!("mx.{arch}.cubin"));
+    let dir = scratch(&format!("{source}-{arch}"));
+    let cubin = dir.join(format!("{source}.{arch}.cubin"));
     let out = Command::new(&nvcc)
         .arg(format!("-arch={arch}"))
         .args(["-cubin", "-Xptxas", "-v", "-o"])
         .arg(&cubin)
-        .arg(kernels_dir().join("mx.cu"))
+        .arg(kernels_dir().join(source))
         .output()
         .expect("running nvcc");
     let ptxas =
@@ -247,22 +248,19 @@ fn check_mx(arch: &str) {
     let mut reports = BTreeMap::new();
     parse_ptxas(&ptxas, &mut reports);
     let mut problems = Vec::new();
-    for kind in ["ef", "acc"] {
-        for format in ["e4m3", "e5m2", "e2m1"] {
-            let name = format!("braid_mx_{kind}_{format}");
-            let Some(r) = reports.get(&name) else {
-                problems.push(format!("{name}: not in the cubin"));
-                continue;
-            };
-            println!("{arch} {name}: {:?} registers", r.registers);
-            if r.registers.is_none()
-                || r.stack != Some(0)
-                || r.spill_stores != Some(0)
-                || r.spill_loads != Some(0)
-                || !r.local.is_empty()
-            {
-                problems.push(format!("{name}: {r:?}"));
-            }
+    for name in names {
+        let Some(r) = reports.get(name) else {
+            problems.push(format!("{name}: not in the cubin"));
+            continue;
+        };
+        println!("{arch} {name}: {:?} registers", r.registers);
+        if r.registers.is_none()
+            || r.stack != Some(0)
+            || r.spill_stores != Some(0)
+            || r.spill_loads != Some(0)
+            || !r.local.is_empty()
+        {
+            problems.push(format!("{name}: {r:?}"));
         }
     }
     assert!(problems.is_empty(), "{arch}: {}", problems.join("\n"));
@@ -270,7 +268,14 @@ fn check_mx(arch: &str) {
 }
 
 #[test]
-fn the_mx_kernels_compile_for_sm80_and_sm90_without_spills_or_local_memory() {
-    check_mx("sm_80");
-    check_mx("sm_90");
+fn the_compression_kernels_compile_for_sm80_and_sm90_without_spills_or_local_memory() {
+    use braid_cuda::compress::{mx_acc_kernel, mx_ef_kernel, INT8_EF_KERNEL, MX_FORMATS};
+    let mx: Vec<String> = MX_FORMATS
+        .iter()
+        .flat_map(|f| [mx_ef_kernel(f), mx_acc_kernel(f)])
+        .collect();
+    for arch in ["sm_80", "sm_90"] {
+        check_compression(arch, "mx.cu", &mx);
+        check_compression(arch, "int8.cu", &[INT8_EF_KERNEL.to_string()]);
+    }
 }

@@ -13,90 +13,43 @@
 
 mod support;
 
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::Write;
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
 
 use braid_compress::mx::{MxElement, MX_BLOCK};
 use braid_compress::{Compressed, ErrorFeedback, Mx, Payload};
-use support::{build_host_program, cxx, scratch, unavailable};
+use support::{built_once, f32s, same_bits_or_both_nan, HostProgram};
 
 fn driver() -> Option<PathBuf> {
     static EXE: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    let built = EXE.get_or_init(|| {
-        let cxx = cxx()?;
-        let exe = scratch("mx").join("mx_driver");
-        build_host_program(
-            &cxx,
-            "mx_driver.cpp",
-            &[
-                "-O1",
-                "-DBRAID_SIMT",
-                "-fsanitize=thread",
-                "-ffp-contract=off",
-            ],
-            &exe,
-        );
-        Ok(exe)
-    });
-    match built {
-        Ok(p) => Some(p.clone()),
-        Err(why) => {
-            unavailable(why);
-            None
-        }
-    }
+    built_once(
+        &EXE,
+        "mx_driver.cpp",
+        &[
+            "-O1",
+            "-DBRAID_SIMT",
+            "-fsanitize=thread",
+            "-ffp-contract=off",
+        ],
+    )
 }
 
-struct Driver {
-    child: Child,
-    input: BufWriter<ChildStdin>,
-    output: BufReader<ChildStdout>,
-}
+/// The MX driver's requests.
+struct Driver(HostProgram);
 
 impl Driver {
-    fn start(exe: &PathBuf) -> Driver {
-        let mut child = Command::new(exe)
-            .env("TSAN_OPTIONS", "halt_on_error=1")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("starting the MX driver");
-        let input = BufWriter::new(child.stdin.take().unwrap());
-        let output = BufReader::new(child.stdout.take().unwrap());
-        Driver {
-            child,
-            input,
-            output,
-        }
-    }
-
     fn header(&mut self, format: u32, kind: u32, grid: (u32, u32), n: usize) {
         for v in [format, kind, grid.0, grid.1] {
-            self.input.write_all(&v.to_le_bytes()).unwrap();
+            self.0.input.write_all(&v.to_le_bytes()).unwrap();
         }
-        self.input.write_all(&(n as u64).to_le_bytes()).unwrap();
+        self.0.input.write_all(&(n as u64).to_le_bytes()).unwrap();
     }
 
-    fn floats(&mut self, v: &[f32]) {
+    fn send_floats(&mut self, v: &[f32]) {
         for x in v {
-            self.input.write_all(&x.to_le_bytes()).unwrap();
+            self.0.input.write_all(&x.to_le_bytes()).unwrap();
         }
-    }
-
-    fn reply(&mut self, n: usize) -> Vec<u8> {
-        self.input.flush().unwrap();
-        let mut status = [0u8; 4];
-        self.output.read_exact(&mut status).unwrap();
-        assert_eq!(
-            u32::from_le_bytes(status),
-            0,
-            "the driver refused a request"
-        );
-        let mut b = vec![0u8; n];
-        self.output.read_exact(&mut b).unwrap();
-        b
     }
 
     /// One fused step: (scales, codes, new error).
@@ -112,15 +65,15 @@ impl Driver {
     ) -> (Vec<u8>, Vec<u8>, Vec<f32>) {
         let n = grad.len();
         self.header(format(e), 0, grid, n);
-        self.floats(&[clip_scale, decay]);
-        self.floats(grad);
-        self.floats(error);
+        self.send_floats(&[clip_scale, decay]);
+        self.send_floats(grad);
+        self.send_floats(error);
         let (ns, nc) = (n.div_ceil(MX_BLOCK), e.code_bytes(n));
-        let b = self.reply(ns + nc + 4 * n);
+        let b = self.0.reply(ns + nc + 4 * n);
         (
             b[..ns].to_vec(),
             b[ns..ns + nc].to_vec(),
-            floats(&b[ns + nc..]),
+            f32s(&b[ns + nc..]),
         )
     }
 
@@ -134,19 +87,10 @@ impl Driver {
         out: &[f32],
     ) -> Vec<f32> {
         self.header(format(e), 1, grid, out.len());
-        self.input.write_all(scales).unwrap();
-        self.input.write_all(codes).unwrap();
-        self.floats(out);
-        floats(&self.reply(4 * out.len()))
-    }
-
-    fn finish(mut self) {
-        drop(self.input);
-        let status = self.child.wait().unwrap();
-        assert!(
-            status.success(),
-            "the MX driver exited with {status} (a sanitizer report is above)"
-        );
+        self.0.input.write_all(scales).unwrap();
+        self.0.input.write_all(codes).unwrap();
+        self.send_floats(out);
+        f32s(&self.0.reply(4 * out.len()))
     }
 }
 
@@ -156,12 +100,6 @@ fn format(e: MxElement) -> u32 {
         MxElement::E5M2 => 1,
         MxElement::E2M1 => 2,
     }
-}
-
-fn floats(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
 }
 
 /// A small deterministic generator (splitmix64).
@@ -222,24 +160,12 @@ fn gradient(rng: &mut Rng, n: usize, e: MxElement, special: bool) -> Vec<f32> {
     g
 }
 
-fn same_bits_or_both_nan(got: &[f32], want: &[f32], what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
-            "{what}: element {i} is {g} ({:#010x}), the CPU says {w} ({:#010x})",
-            g.to_bits(),
-            w.to_bits()
-        );
-    }
-}
-
 const GRIDS: [(u32, u32); 3] = [(1, 32), (3, 64), (2, 256)];
 
 #[test]
 fn the_fused_error_feedback_step_is_the_cpu_codec_to_the_bit() {
     let Some(exe) = driver() else { return };
-    let mut d = Driver::start(&exe);
+    let mut d = Driver(HostProgram::start(&exe));
     let mut rng = Rng(0x5eed);
     let mut cases = 0;
     for e in MxElement::ALL {
@@ -278,14 +204,14 @@ fn the_fused_error_feedback_step_is_the_cpu_codec_to_the_bit() {
             }
         }
     }
-    d.finish();
+    d.0.finish();
     assert_eq!(cases, 3 * 8 * 3 * 2);
 }
 
 #[test]
 fn decode_and_accumulate_adds_what_the_cpu_adds() {
     let Some(exe) = driver() else { return };
-    let mut d = Driver::start(&exe);
+    let mut d = Driver(HostProgram::start(&exe));
     let mut rng = Rng(0xacc);
     for e in MxElement::ALL {
         for (k, n) in [1usize, 32, 33, 500].into_iter().enumerate() {
@@ -306,5 +232,5 @@ fn decode_and_accumulate_adds_what_the_cpu_adds() {
             assert_eq!(Compressed::decode(&c.encode()).unwrap(), c);
         }
     }
-    d.finish();
+    d.0.finish();
 }

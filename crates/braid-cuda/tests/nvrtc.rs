@@ -217,21 +217,31 @@ fn the_device_resident_all_reduce_compiles_for_every_world_size_and_is_cached() 
 }
 
 #[test]
-fn the_mx_kernels_compile_through_nvrtc_for_sm80_and_sm90() {
-    use braid_cuda::mx::{acc_kernel, ef_kernel, headers, FORMATS, SOURCE};
+fn the_compression_kernels_compile_through_nvrtc_for_sm80_and_sm90() {
+    use braid_cuda::compress::{
+        headers, mx_acc_kernel, mx_ef_kernel, INT8_EF_KERNEL, INT8_SOURCE, MX_FORMATS, MX_SOURCE,
+    };
     let Some(nvrtc) = nvrtc() else { return };
-    let dir = scratch("nvrtc-mx");
+    let dir = scratch("nvrtc-compress");
+    let mx: Vec<String> = MX_FORMATS
+        .iter()
+        .flat_map(|f| [mx_ef_kernel(f), mx_acc_kernel(f)])
+        .collect();
     for arch in [80, 90] {
-        let (image, outcome) =
-            braid_cuda::load_or_compile_program_in(&dir, SOURCE.0, SOURCE.1, &headers(), arch)
-                .unwrap_or_else(|e| panic!("mx.cu for sm_{arch}: {e}"));
-        assert_eq!(outcome, braid_cuda::CacheOutcome::Miss);
-        assert!(!nvrtc.has_cubin() || image.starts_with(b"\x7fELF"));
-        for f in FORMATS {
-            for name in [ef_kernel(f), acc_kernel(f)] {
+        for (source, names) in [
+            (MX_SOURCE, mx.clone()),
+            (INT8_SOURCE, vec![INT8_EF_KERNEL.to_string()]),
+        ] {
+            let (image, outcome) =
+                braid_cuda::load_or_compile_program_in(&dir, source.0, source.1, &headers(), arch)
+                    .unwrap_or_else(|e| panic!("{} for sm_{arch}: {e}", source.0));
+            assert_eq!(outcome, braid_cuda::CacheOutcome::Miss);
+            assert!(!nvrtc.has_cubin() || image.starts_with(b"\x7fELF"));
+            for name in names {
                 assert!(
                     contains(&image, format!("{name}\0").as_bytes()),
-                    "{name} is not in the sm_{arch} image"
+                    "{name} is not in the sm_{arch} image of {}",
+                    source.0
                 );
             }
         }

@@ -10,28 +10,11 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-use support::{build_host_program, cxx, scratch, unavailable};
+use support::built_once;
 
 fn selftest() -> Option<PathBuf> {
     static EXE: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    let built = EXE.get_or_init(|| {
-        let cxx = cxx()?;
-        let exe = scratch("simt").join("simt_selftest");
-        build_host_program(
-            &cxx,
-            "simt_selftest.cpp",
-            &["-O1", "-fsanitize=thread"],
-            &exe,
-        );
-        Ok(exe)
-    });
-    match built {
-        Ok(p) => Some(p.clone()),
-        Err(why) => {
-            unavailable(why);
-            None
-        }
-    }
+    built_once(&EXE, "simt_selftest.cpp", &["-O1", "-fsanitize=thread"])
 }
 
 fn run(exe: &PathBuf, mode: &str) -> Output {

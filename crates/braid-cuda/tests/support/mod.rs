@@ -123,3 +123,108 @@ pub fn build_host_program(cxx: &str, source: &str, flags: &[&str], exe: &Path) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The host program `tests/host/<source>` built into a scratch `exe` with `flags`, once per test
+/// binary (`cell` keeps it); `None`, after [`unavailable`] has said why, where there is no C++
+/// compiler.
+pub fn built_once(
+    cell: &'static std::sync::OnceLock<Result<PathBuf, String>>,
+    source: &str,
+    flags: &[&str],
+) -> Option<PathBuf> {
+    let built = cell.get_or_init(|| {
+        let cxx = cxx()?;
+        let stem = source.trim_end_matches(".cpp");
+        let exe = scratch(stem).join(stem);
+        build_host_program(&cxx, source, flags, &exe);
+        Ok(exe)
+    });
+    match built {
+        Ok(p) => Some(p.clone()),
+        Err(why) => {
+            unavailable(why);
+            None
+        }
+    }
+}
+
+/// A running host program that answers requests on its stdin with replies on its stdout (the
+/// drivers under `tests/host`), stopped at the first ThreadSanitizer report.
+pub struct HostProgram {
+    child: std::process::Child,
+    /// Requests.
+    pub input: std::io::BufWriter<std::process::ChildStdin>,
+    /// Replies.
+    pub output: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl HostProgram {
+    /// Starts `exe`.
+    pub fn start(exe: &Path) -> HostProgram {
+        use std::process::Stdio;
+        let mut child = Command::new(exe)
+            .env("TSAN_OPTIONS", "halt_on_error=1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting {}: {e}", exe.display()));
+        let input = std::io::BufWriter::new(child.stdin.take().expect("piped stdin"));
+        let output = std::io::BufReader::new(child.stdout.take().expect("piped stdout"));
+        HostProgram {
+            child,
+            input,
+            output,
+        }
+    }
+
+    /// Sends what was written, then reads a reply's status word (0: done) and `n` bytes after it.
+    pub fn reply(&mut self, n: usize) -> Vec<u8> {
+        use std::io::{Read, Write};
+        self.input.flush().expect("writing to the host program");
+        let mut status = [0u8; 4];
+        self.output
+            .read_exact(&mut status)
+            .expect("the host program's reply");
+        assert_eq!(
+            u32::from_le_bytes(status),
+            0,
+            "the host program refused a request"
+        );
+        let mut b = vec![0u8; n];
+        self.output
+            .read_exact(&mut b)
+            .expect("the host program's reply");
+        b
+    }
+
+    /// Closes its input and checks that it ended well (a sanitizer report would be above).
+    pub fn finish(mut self) {
+        drop(self.input);
+        let status = self.child.wait().expect("waiting for the host program");
+        assert!(
+            status.success(),
+            "the host program exited with {status} (a sanitizer report is above)"
+        );
+    }
+}
+
+/// `b` as little-endian f32s.
+pub fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect()
+}
+
+/// Whether `got` and `want` hold the same bits, a NaN matching any NaN (a GPU's arithmetic returns
+/// the canonical NaN where the CPU keeps the operand's payload); panics naming the first difference.
+pub fn same_bits_or_both_nan(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+            "{what}: element {i} is {g} ({:#010x}), the CPU says {w} ({:#010x})",
+            g.to_bits(),
+            w.to_bits()
+        );
+    }
+}
