@@ -9,7 +9,11 @@
 // - decoding is an element value times the scale, both exact.
 // Every float operation here is a single IEEE single-precision operation, rounded to nearest (the
 // `_rn` intrinsics on the device, which the compiler never fuses into an FMA, and plain operations on
-// the host, built with -ffp-contract=off), so device, host and braid-compress agree to the bit.
+// the host, built with -ffp-contract=off), so device, host and braid-compress agree to the bit, NaN payloads
+// aside (a GPU's arithmetic returns the canonical NaN where the CPU keeps the operand's payload).
+//
+// Launch shape: blocks of a multiple of 32 threads (whole warps: every lane takes part in the shuffles),
+// at most 256.
 #ifndef BRAID_MX_CUH
 #define BRAID_MX_CUH
 

@@ -1,7 +1,7 @@
 // The int8 compression kernel: one fused pass of error feedback and int8 quantisation with a scale per
 // block of any size, `braid_int8_ef`. One thread block per quantisation block (striding over them); its
 // threads compute the residual (kept in the error buffer, as the CPU does), reduce the block's largest
-// magnitude through shared memory, and quantise. Blocks of 256 threads.
+// magnitude through shared memory, and quantise. Blocks of up to 256 threads, any count.
 #include "braid_int8.cuh"
 
 #define BRAID_INT8_THREADS 256
@@ -26,9 +26,12 @@ extern "C" __global__ void __launch_bounds__(BRAID_INT8_THREADS) braid_int8_ef(b
     }
     red[t] = key;
     __syncthreads();
-    for (unsigned int s = threads / 2; s > 0; s >>= 1) {
-      if (t < s && red[t + s] > red[t]) red[t] = red[t + s];
+    // Halving with the odd one carried, so any thread count up to BRAID_INT8_THREADS works.
+    for (unsigned int live = threads; live > 1;) {
+      const unsigned int s = (live + 1) / 2;
+      if (t + s < live && red[t + s] > red[t]) red[t] = red[t + s];
       __syncthreads();
+      live = s;
     }
     const float scale = div_rn(braid::bits_to_f32(red[0]), 127.0f);
     if (t == 0) a.scales[b] = scale;

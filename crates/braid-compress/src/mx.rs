@@ -9,7 +9,9 @@
 //! even, saturating at the largest normal (so a block's largest element may be clipped: up to 448 of
 //! the 512 an E4M3 block spans, 6 of E2M1's 8). A block holding a NaN or an infinity gets the NaN
 //! scale and decodes to NaN everywhere, so the problem stays visible (as with int8, whose scale
-//! becomes NaN). Decoding is exact: an element value times a power of two, both exact in f32.
+//! becomes NaN). Decoding is an element value times a power of two, exact for what the encoder produces
+//! (a scale code of at most 127 + 127 − emax); the largest scale codes times the largest elements,
+//! which only foreign bytes carry, overflow to ±∞.
 //!
 //! Element codes are sign-magnitude: bit `bits − 1` is the sign, then the exponent field, then the
 //! mantissa. E4M3 has no infinities and its NaN is `S.1111.111`; E5M2 is IEEE-like (`S.11111.00`

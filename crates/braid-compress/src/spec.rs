@@ -12,7 +12,7 @@ use crate::{
 
 /// The forms [`CodecSpec`]'s parser accepts, for error messages.
 const ACCEPTED: &str = "none, dense, topk:D, threshold-topk:D, randomk:D, int8, int8:B, int8-stochastic, \
-                        int8-stochastic:B, sign, sign:B, fp16, bf16, mxfp8, mxfp8:e4m3, mxfp8:e5m2, mxfp4, \
+                        int8-stochastic:B, sign, sign:B, fp16, bf16, mxfp8, mxfp8:e4m3, mxfp8:e5m2, mxfp4, mxfp4:e2m1, \
                         powersgd:R (D a density in (0, 1], B a block size ≥ 1, R a rank ≥ 1)";
 
 /// The most characters of its input an error message repeats.

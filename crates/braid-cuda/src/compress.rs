@@ -1,5 +1,6 @@
 //! The compression kernels, each with braid-compress's codec and error feedback semantics bit for bit
-//! (the tests run them on the SIMT runner against the CPU codecs):
+//! (NaN payloads aside: a GPU returns the canonical NaN; the tests run them on the SIMT runner against
+//! the CPU codecs):
 //! - `kernels/mx.cu` (MXFP8, MXFP4): per element format, the fused error-feedback step and the
 //!   receiving side's decode-and-accumulate ([`MxEfArgs`], [`MxAccArgs`]; `tests/mx.rs`);
 //! - `kernels/int8.cu`: the fused error-feedback step of int8 with a scale per block of any size,
@@ -48,8 +49,9 @@ pub fn mx_acc_kernel(format: &str) -> String {
 /// The int8 fused step's kernel.
 pub const INT8_EF_KERNEL: &str = "braid_int8_ef";
 
-/// Threads per block the kernels are built for (`__launch_bounds__`): 8 warps. The int8 kernel takes
-/// any power of two up to it.
+/// Threads per block the kernels are built for (`__launch_bounds__`): 8 warps, the most either takes.
+/// The MX kernels need whole warps (a multiple of 32: every lane takes part in the shuffles); the int8
+/// kernel takes any count.
 pub const THREADS: u32 = 256;
 
 /// The MX fused step's arguments (`braid::mx::EfArgs`): residual `grad·clip_scale + decay·error` (no

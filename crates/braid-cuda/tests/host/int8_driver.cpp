@@ -37,8 +37,7 @@ int main() {
     std::vector<signed char> quants(n);
     memset(scales.data(), 0xa5, 4 * nscales);
     memset(quants.data(), 0x5a, n);
-    const bool pow2 = threads && !(threads & (threads - 1));
-    const unsigned int status = blocks == 0 || !pow2 || threads > BRAID_INT8_THREADS || block == 0 ? 1u : 0u;
+    const unsigned int status = blocks == 0 || threads == 0 || threads > BRAID_INT8_THREADS || block == 0 ? 1u : 0u;
     if (status == 0) {
       braid::int8::EfArgs args = {grad.data(), error.data(), scales.data(), quants.data(), n, base,
                                   block,       stochastic,   clip,          decay};

@@ -156,6 +156,8 @@ impl Transport for Rdma {
     }
 
     fn prepare(self: Box<Self>, ctx: &SetupCtx) -> Result<Box<dyn Prepared>, Error> {
+        // Options set in code get the variables' ranges too (zero queue pairs would divide by zero).
+        self.opts.check()?;
         let g = ctx.geometry;
         if g.channels > super::wire::MAX_CHANNELS || g.slots > super::wire::MAX_SLOTS {
             return Err(Error::invalid(format!(

@@ -629,13 +629,17 @@ impl Communicator {
                 _ => false,
             };
             if !ok {
+                let sent = match got.payload() {
+                    Payload::Int8 { block: b, .. } | Payload::Sign { block: b, .. } => {
+                        format!("{} shard with block {b}", got.payload().kind_name())
+                    }
+                    Payload::Mx { element, .. } => format!("mx shard of {}", element.name()),
+                    other => format!("{} shard", other.kind_name()),
+                };
                 return Err(self.mismatch(
                     p,
                     step,
-                    format!(
-                        "rank {p} sent a {} shard where {kind} with block {block} was expected",
-                        got.payload().kind_name()
-                    ),
+                    format!("rank {p} sent a {sent} where {spec} ({kind}, blocks of {block}) was expected"),
                 ));
             }
             Ok(got)
